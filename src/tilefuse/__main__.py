@@ -1,0 +1,3 @@
+from tilefuse.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""Command line: ``tilefuse report | info`` (also ``python -m tilefuse``).
+
+On a machine without a GPU, ``report`` runs the kernels in the Triton interpreter; the variable must be
+set before triton is imported, which is why this module imports the rest of tilefuse lazily.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tilefuse", description="Fused Triton kernels for transformer layers.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="accuracy, speed, HBM bytes and roofline for every op on this device")
+    r.add_argument("--ops", nargs="+", metavar="NAME", help="registry op names (default: all)")
+    r.add_argument("--quick", action="store_true", help="fewer benchmark rows (the first two per op)")
+    r.add_argument("--seeds", type=int, default=None, help="seeds per accuracy case (default 20 on GPU, 3 on CPU)")
+    r.add_argument("--out", default="report", help="output folder (default: ./report)")
+    r.add_argument("--anchors", nargs="+", metavar="SUBSTR",
+                   help="run only anchors whose name contains one of these (eager always runs)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sub.add_parser("info", help="versions, device, and which execution path runs")
+    return p
+
+
+def _prepare_interpreter() -> None:
+    import torch
+
+    if not torch.cuda.is_available() and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def cmd_info() -> int:
+    import platform
+
+    import torch
+
+    from tilefuse import runtime
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    import tilefuse
+
+    path = runtime.default_path()
+    explain = {
+        runtime.COMPILED: "CUDA tensors run compiled Triton kernels",
+        runtime.INTERPRETER: "TRITON_INTERPRET=1: CPU tensors run the Triton kernels in the interpreter (slow; for tests)",
+        runtime.REFERENCE: "no GPU and TRITON_INTERPRET unset: CPU tensors run the PyTorch reference "
+                           "implementations (tilefuse.reference), not Triton",
+    }[path]
+    print(f"tilefuse {tilefuse.__version__}")
+    print(f"python {platform.python_version()} · torch {torch.__version__} · triton {triton_version}")
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        print(f"device: {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}, "
+              f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs)")
+    else:
+        print("device: CPU only (no CUDA device visible)")
+    print(f"path: {path} — {explain}")
+    from tilefuse import registry
+    print("ops: " + ", ".join(registry.REGISTRY))
+    return 0
+
+
+def cmd_report(args) -> int:
+    _prepare_interpreter()
+    from tilefuse.harness.report import run_report
+
+    result = run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
+                        anchor_filter=args.anchors, show_progress=not args.no_progress)
+    failed = [f"{name}: {a['case']} {a['dtype']}" for name, op in result["ops"].items()
+              for a in op["accuracy"] if not a["pass"]]
+    print(f"wrote {os.path.join(args.out, 'REPORT.md')}, report.json and plots")
+    if failed:
+        print("accuracy bound exceeded:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "info":
+        return cmd_info()
+    if args.command == "report":
+        return cmd_report(args)
+    raise AssertionError(args.command)

@@ -1,0 +1,1 @@
+"""Timing, ceilings, error statistics and the report writer; reads only the registry."""

@@ -1,0 +1,259 @@
+"""``tilefuse report``: accuracy, speed, modeled HBM bytes and roofline for every registry op.
+
+Writes REPORT.md, report.json and PNG plots into one folder. On a GPU every anchor runs in the same
+process on the same inputs; on a CPU only accuracy (Triton interpreter) and the byte model are
+meaningful, and the report says so.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from tilefuse import registry, runtime
+from tilefuse.harness import plots
+from tilefuse.harness.stats import error_stats, to_float64
+from tilefuse.harness.timing import bench_ms, measure_ceilings
+
+
+def environment() -> dict:
+    import numpy
+    import triton
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "numpy": numpy.__version__,
+        "path": runtime.default_path(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})",
+        "time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+    return env
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Leave NaN bytes where the caching allocator will hand out the next output buffer, so an
+    element the kernel forgets to write shows up as NaN instead of stale-but-plausible data."""
+    if torch.cuda.is_available() and nbytes > 0:
+        torch.full((nbytes // 2 + 1,), float("nan"), dtype=torch.float16, device="cuda")
+
+
+def accuracy_for_op(spec: registry.OpSpec, seeds: int, progress=None, task=None) -> list[dict]:
+    device = _device()
+    rows = []
+    cases = spec.accuracy_cases["gpu" if device.type == "cuda" else "cpu"]
+    for params in cases:
+        bound = spec.tolerance(params)
+        rel, mx, nan_bad = [], [], 0
+        for seed in range(seeds):
+            inputs = spec.make_inputs(params, device, 1000 + seed)
+            with torch.no_grad():
+                ref = spec.reference(**to_float64(inputs))
+                _poison_allocator(sum(t.numel() * params["dtype"].itemsize for t in _tensors(ref)))
+                out = spec.fused(**inputs)
+            st = error_stats(out, ref)
+            rel.append(st.rel_l2)
+            mx.append(st.max_abs)
+            nan_bad += st.nan_mismatch
+            if progress is not None:
+                progress.advance(task)
+        rows.append({
+            "case": spec.label(params), "dtype": registry.dtype_name(params["dtype"]), "seeds": seeds,
+            "rel_l2": rel, "max_abs": mx, "nan_mismatch": nan_bad, "bound": bound,
+            "rel_l2_median": _median(rel), "rel_l2_max": max(rel), "max_abs_max": max(mx),
+            "pass": nan_bad == 0 and max(rel) <= bound,
+        })
+    return rows
+
+
+def _tensors(out):
+    from tilefuse.harness.stats import flatten_outputs
+    return flatten_outputs(out)
+
+
+def _median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_filter) -> dict:
+    """One benchmark row: fused vs eager vs anchors, same inputs, same process."""
+    device = _device()
+    inputs = spec.make_inputs(params, device, 0)
+    flops = spec.flops(params)
+    bytes_model = spec.hbm_bytes(params)
+    row = {"case": spec.label(params), "dtype": registry.dtype_name(params["dtype"]),
+           "flops": flops, "hbm_bytes": bytes_model}
+    with torch.no_grad():
+        out = spec.fused(**inputs)
+        row["config"] = spec.config_used()
+        ref = spec.reference(**to_float64(inputs))
+        st = error_stats(out, ref)
+        del ref, out
+        row.update(rel_l2=st.rel_l2, max_abs=st.max_abs, bound=spec.tolerance(params),
+                   accuracy_pass=st.ok(spec.tolerance(params)))
+        if device.type != "cuda":
+            row["ms"] = None
+            return row
+        row["ms"] = bench_ms(lambda: spec.fused(**inputs))
+        row["config"] = spec.config_used()
+        timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
+        torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
+        for name, fn in spec.anchors(params).items():
+            if anchor_filter and not any(f in name for f in anchor_filter):
+                continue
+            timings[name] = _safe_bench(lambda fn=fn: fn(**inputs))
+    ms = row["ms"]
+    row["tflops"] = flops / (ms * 1e-3) / 1e12
+    row["tbps"] = bytes_model["fused"] / (ms * 1e-3) / 1e12
+    row["anchors"] = timings
+    row["speedup"] = {k: (v / ms if isinstance(v, float) else None) for k, v in timings.items()}
+    row["roofline_pct"] = _roofline_pct(spec, params, row, ceilings)
+    return row
+
+
+def _roofline_pct(spec, params, row, ceilings) -> float | None:
+    if spec.bound == "compute":
+        key = {torch.bfloat16: "gemm_bf16_TFLOPs", torch.float16: "gemm_fp16_TFLOPs",
+               torch.float32: "gemm_fp32_TFLOPs"}.get(params["dtype"])
+        ceiling = ceilings.get(key)
+        return 100 * row["tflops"] / ceiling if ceiling else None
+    ceiling = ceilings.get("read_TBps" if spec.bound == "read" else "copy_TBps")
+    return 100 * row["tbps"] / ceiling if ceiling else None
+
+
+def _safe_bench(fn):
+    """An anchor that fails on a shape is reported as failing (with its error), never dropped."""
+    try:
+        return bench_ms(fn)
+    except Exception as exc:  # noqa: BLE001 - recorded in the report, not hidden
+        torch.cuda.synchronize()
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filter=None,
+               show_progress=True) -> dict:
+    from rich.progress import Progress
+
+    on_gpu = torch.cuda.is_available()
+    seeds = seeds or (20 if on_gpu else 3)
+    specs = [registry.get(n) for n in ops] if ops else list(registry.REGISTRY.values())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {}}
+    result["ceilings"] = measure_ceilings() if on_gpu else {}
+
+    bench_plan = {s.name: (s.bench_cases[:2] if quick else s.bench_cases) for s in specs}
+    total = sum(len(s.accuracy_cases["gpu" if on_gpu else "cpu"]) * seeds for s in specs)
+    total += sum(len(v) for v in bench_plan.values()) if on_gpu else 0
+    with Progress(disable=not show_progress, transient=True) as progress:
+        task = progress.add_task("tilefuse report", total=total)
+        for spec in specs:
+            progress.update(task, description=f"{spec.name}: accuracy")
+            entry = {"summary": spec.summary, "bound": spec.bound,
+                     "accuracy": accuracy_for_op(spec, seeds, progress, task), "speed": []}
+            for params in bench_plan[spec.name]:
+                progress.update(task, description=f"{spec.name}: {spec.label(params)}")
+                if on_gpu:
+                    entry["speed"].append(speed_for_case(spec, params, result["ceilings"], anchor_filter))
+                    progress.advance(task)
+                else:  # the byte model still holds; times do not
+                    entry["speed"].append({"case": spec.label(params),
+                                           "dtype": registry.dtype_name(params["dtype"]),
+                                           "flops": spec.flops(params), "hbm_bytes": spec.hbm_bytes(params),
+                                           "ms": None})
+            result["ops"][spec.name] = entry
+            entry["plots"] = plots.write_op_plots(spec.name, entry, out)
+    (out / "report.json").write_text(json.dumps(result, indent=1, default=_json_default))
+    (out / "REPORT.md").write_text(render_markdown(result))
+    return result
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    return str(o)
+
+
+def _fmt(v, spec=".3g"):
+    if v is None:
+        return "–"
+    if isinstance(v, str):
+        return v
+    return format(v, spec)
+
+
+def render_markdown(result: dict) -> str:
+    env, ceil = result["environment"], result["ceilings"]
+    on_gpu = bool(ceil)
+    lines = ["# tilefuse report", "",
+             f"{env['device']} · path `{env['path']}` · torch {env['torch']} · triton {env['triton']} · "
+             f"python {env['python']} · {env['time_utc']} UTC · {result['seeds']} seeds per accuracy case", ""]
+    if on_gpu:
+        lines += ["## Ceilings measured in this run", "",
+                  "| copy TB/s (read+write) | read-only TB/s | GEMM bf16 TFLOP/s | GEMM fp16 TFLOP/s | GEMM fp32 TFLOP/s |",
+                  "|---|---|---|---|---|",
+                  f"| {ceil['copy_TBps']:.2f} | {ceil['read_TBps']:.2f} | {ceil['gemm_bf16_TFLOPs']:.0f} | "
+                  f"{ceil['gemm_fp16_TFLOPs']:.0f} | {ceil['gemm_fp32_TFLOPs']:.1f} |", ""]
+    else:
+        lines += ["**Timing is not meaningful here**: no GPU, so kernels ran in the Triton interpreter. "
+                  "Accuracy and the HBM byte model below are real; speed columns are empty.", ""]
+    for name, op in result["ops"].items():
+        lines += [f"## {name}", "", op["summary"], "", "### Accuracy (rel-L2 and max-abs vs float64)", "",
+                  "| case | dtype | seeds | rel-L2 median | rel-L2 max | bound | max-abs max | NaN mismatches | pass |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for a in op["accuracy"]:
+            lines.append(f"| {a['case']} | {a['dtype']} | {a['seeds']} | {a['rel_l2_median']:.2e} | "
+                         f"{a['rel_l2_max']:.2e} | {a['bound']:.0e} | {a['max_abs_max']:.2e} | "
+                         f"{a['nan_mismatch']} | {'yes' if a['pass'] else '**NO**'} |")
+        lines.append("")
+        if op["speed"]:
+            lines += ["### Speed and roofline", ""]
+            if on_gpu:
+                anchor_names = sorted({k for r in op["speed"] for k in r.get("anchors", {})})
+                head = ["case", "dtype", "ms", "TFLOP/s", "TB/s (fused bytes)", "% ceiling"]
+                head += [f"× {a}" for a in anchor_names] + ["rel-L2", "config"]
+                lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                for r in op["speed"]:
+                    cells = [r["case"], r["dtype"], _fmt(r["ms"], ".4f"), _fmt(r.get("tflops"), ".1f"),
+                             _fmt(r.get("tbps"), ".2f"), _fmt(r.get("roofline_pct"), ".0f")]
+                    for a in anchor_names:
+                        t = r.get("anchors", {}).get(a)
+                        cells.append(t if isinstance(t, str) else _fmt(r["speedup"].get(a), ".3f"))
+                    cells += [_fmt(r.get("rel_l2"), ".1e"), r.get("config", "")]
+                    lines.append("| " + " | ".join(cells) + " |")
+                lines += ["", "× anchor = anchor time / tilefuse time (above 1: tilefuse is faster). "
+                          "Anchor times in ms are in report.json."]
+                geo = _geomean_speedups(op["speed"])
+                if geo:
+                    lines += ["", "Geomean speedup by dtype: " + "; ".join(
+                        f"{dt}: " + ", ".join(f"× {a} {v:.3f}" for a, v in sp.items()) for dt, sp in geo.items())]
+            lines += ["", "### Modeled HBM bytes (minimum traffic)", "", "| case | dtype | unfused MB | fused MB | saved |",
+                      "|---|---|---|---|---|"]
+            for r in op["speed"]:
+                u, f = r["hbm_bytes"]["unfused"], r["hbm_bytes"]["fused"]
+                lines.append(f"| {r['case']} | {r['dtype']} | {u / 1e6:.1f} | {f / 1e6:.1f} | {1 - f / u:.0%} |")
+        lines.append("")
+        for title, png in op.get("plots", {}).items():
+            lines += [f"![{title}]({png})", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _geomean_speedups(rows) -> dict:
+    by_dtype: dict = {}
+    for r in rows:
+        for a, v in (r.get("speedup") or {}).items():
+            if isinstance(v, float):
+                by_dtype.setdefault(r["dtype"], {}).setdefault(a, []).append(v)
+    return {dt: {a: math.exp(sum(map(math.log, vs)) / len(vs)) for a, vs in d.items()}
+            for dt, d in by_dtype.items()}

@@ -1,0 +1,43 @@
+"""GPU timing: triton.testing.do_bench medians after warm-up. On a CPU nothing is timed."""
+from __future__ import annotations
+
+import torch
+
+
+def bench_ms(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> float | None:
+    """Median milliseconds of ``fn()`` on the GPU, or None on a CPU (interpreter times mean nothing)."""
+    if not torch.cuda.is_available():
+        return None
+    import triton.testing
+
+    fn()  # compile / autotune outside the timed region
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def measure_ceilings() -> dict:
+    """The run's own ceilings: device-to-device copy, read-only sum, and bf16/fp16 GEMM throughput.
+
+    Measured at the start of every GPU report so every % is against this machine, this run.
+    """
+    if not torch.cuda.is_available():
+        return {}
+    n = 1 << 29  # 1 GiB of bf16: far larger than the 60 MB L2
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    read_ms = bench_ms(lambda: src.sum(dtype=torch.float32))
+    del dst
+    ceilings = {
+        "copy_TBps": 2 * src.numel() * 2 / (copy_ms * 1e-3) / 1e12,
+        "read_TBps": src.numel() * 2 / (read_ms * 1e-3) / 1e12,
+    }
+    del src
+    for dtype, key in ((torch.bfloat16, "gemm_bf16_TFLOPs"), (torch.float16, "gemm_fp16_TFLOPs"),
+                       (torch.float32, "gemm_fp32_TFLOPs")):
+        a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+        b = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+        ms = bench_ms(lambda: a @ b)
+        ceilings[key] = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+    torch.cuda.empty_cache()
+    return ceilings

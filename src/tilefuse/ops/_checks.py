@@ -1,0 +1,36 @@
+"""Argument checks shared by the ops. Messages name the argument and what was expected.
+
+Policy (ENGINEERING.md): shape, value and device problems -> ValueError; dtype problems -> TypeError;
+unsupported features -> NotImplementedError. Every check runs before any kernel launch.
+"""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {names}")
+
+
+def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; they must match")
+
+
+def check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must be on one device")
+
+
+def check_no_grad_needed(op: str, *tensors) -> None:
+    """Forward-only ops: refuse rather than return a result autograd cannot differentiate."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            f"tilefuse.{op} has no backward yet; call it under torch.no_grad() or on tensors that do "
+            "not require grad")

@@ -1,0 +1,28 @@
+"""Plain PyTorch versions of every op: the truth for tests, benchmarks and the report.
+
+Each function is what a user would write without tilefuse (the "eager unfused" anchor). Called on
+float64 copies of the inputs it is the accuracy reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def activation(y: torch.Tensor, name: str | None) -> torch.Tensor:
+    if name is None:
+        return y
+    if name == "gelu":
+        return F.gelu(y)
+    if name == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    if name == "relu":
+        return F.relu(y)
+    if name == "silu":
+        return F.silu(y)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def linear(x, weight, bias=None, activation_name=None):
+    """``F.linear`` then the activation: two kernels, the pre-activation round-trips through HBM."""
+    return activation(F.linear(x, weight, bias), activation_name)

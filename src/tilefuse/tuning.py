@@ -1,0 +1,47 @@
+"""Tile configurations: the fixed interpreter config and the small GPU autotune spaces.
+
+Autotuning never runs under the Triton interpreter (it would time Python, not the GPU, and take
+minutes); the interpreter uses ``INTERPRETER_GEMM`` -- large tiles, because the interpreter's cost is
+per program, not per element.
+"""
+from __future__ import annotations
+
+import triton
+
+INTERPRETER_GEMM = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
+
+
+def _gemm_config(bm, bn, bk, warps, stages, group=8):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group),
+                         num_warps=warps, num_stages=stages)
+
+
+# Portable GEMM space: a few shapes that cover large square-ish problems (128x256), mid-size (128x128)
+# and skinny M (64xN). Configs that do not fit in shared memory for fp32 are dropped by the autotuner
+# (OutOfResources) rather than listed per dtype.
+PORTABLE_GEMM_CONFIGS = [
+    _gemm_config(128, 256, 64, 8, 3),
+    _gemm_config(256, 128, 64, 8, 3),
+    _gemm_config(128, 128, 64, 8, 4),
+    _gemm_config(128, 128, 32, 4, 4),
+    _gemm_config(64, 128, 64, 4, 4),
+    _gemm_config(64, 64, 64, 4, 4),
+    _gemm_config(32, 64, 32, 4, 4),
+]
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key for the row count: the next power of two, so a new batch size rarely retunes."""
+    return 1 << max(0, (m - 1).bit_length()) if m > 0 else 0
+
+
+def describe(config) -> str:
+    """One-line text of a triton.Config or a kwargs dict, for reports."""
+    if config is None:
+        return "n/a"
+    if isinstance(config, dict):
+        kw, extra = config, ""
+    else:
+        kw, extra = config.kwargs, f" w{config.num_warps} s{config.num_stages}"
+    tile = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in kw)
+    return f"{tile}{extra}"

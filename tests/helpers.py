@@ -1,0 +1,42 @@
+"""Assertion helpers shared by every test file."""
+from __future__ import annotations
+
+import torch
+
+from tilefuse.harness.stats import error_stats, to_float64
+
+ON_GPU = torch.cuda.is_available()
+
+
+def poison_next_alloc(nbytes: int) -> None:
+    """Fill memory the CUDA caching allocator will hand out next with NaN, so an output element a
+    kernel never writes fails the comparison instead of holding stale, plausible data."""
+    if ON_GPU and nbytes > 0:
+        torch.full((nbytes // 2 + 64,), float("nan"), dtype=torch.float16, device="cuda")
+
+
+def assert_close(out, ref, bound: float, what: str = "") -> None:
+    """rel-L2 of out against ref (compared in float64) must be <= bound; NaN/inf positions must match.
+
+    The failure message reports rel-L2, max-abs and the bound.
+    """
+    st = error_stats(out, ref)
+    assert st.nan_mismatch == 0, f"{what}: {st.nan_mismatch} NaN/inf mismatches (rel-L2 {st.rel_l2:.3e})"
+    assert st.rel_l2 <= bound, (f"{what}: rel-L2 {st.rel_l2:.3e} > bound {bound:.0e} "
+                                f"(max-abs {st.max_abs:.3e})")
+
+
+def check_against_reference(spec, params, device, seed=0):
+    """Run the registry op and its float64 reference on the same fresh random inputs and compare."""
+    inputs = spec.make_inputs(params, device, seed)
+    with torch.no_grad():
+        ref = spec.reference(**to_float64(inputs))
+        poison_next_alloc(sum(t.numel() * params["dtype"].itemsize for t in _flat(ref)))
+        out = spec.fused(**inputs)
+    assert_close(out, ref, spec.tolerance(params), f"{spec.name} {spec.label(params)}")
+    return out
+
+
+def _flat(out):
+    from tilefuse.harness.stats import flatten_outputs
+    return flatten_outputs(out)

@@ -1,0 +1,31 @@
+"""The CLI and the report on this device (on a CPU: interpreter accuracy, no timing)."""
+import json
+import subprocess
+import sys
+
+import torch
+
+from tilefuse.harness.report import run_report
+
+
+def test_report_writes_markdown_json_and_plots(tmp_path):
+    result = run_report(ops=["linear"], quick=True, seeds=2, out_dir=tmp_path, show_progress=False)
+    assert (tmp_path / "REPORT.md").read_text().startswith("# tilefuse report")
+    data = json.loads((tmp_path / "report.json").read_text())
+    acc = data["ops"]["linear"]["accuracy"]
+    assert acc and all(a["pass"] and len(a["rel_l2"]) == 2 for a in acc)
+    assert (tmp_path / "linear_accuracy.png").stat().st_size > 1000
+    assert (tmp_path / "linear_bytes.png").stat().st_size > 1000
+    speed = result["ops"]["linear"]["speed"]
+    assert speed and all(r["hbm_bytes"]["unfused"] > r["hbm_bytes"]["fused"] for r in speed)
+    if not torch.cuda.is_available():
+        assert all(r["ms"] is None for r in speed)
+        assert "not meaningful" in (tmp_path / "REPORT.md").read_text()
+
+
+def test_cli_info_and_unknown_op(tmp_path):
+    info = subprocess.run([sys.executable, "-m", "tilefuse", "info"], capture_output=True, text=True, check=True)
+    assert "linear" in info.stdout and "path:" in info.stdout
+    bad = subprocess.run([sys.executable, "-m", "tilefuse", "report", "--ops", "nope", "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown op 'nope'" in bad.stderr

@@ -1,0 +1,143 @@
+"""tilefuse.linear: behaviour beyond the registry grid (edges, NaN, errors, paths)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilefuse
+from helpers import ON_GPU, assert_close
+from tilefuse import reference
+
+ACTS = [None, "gelu", "gelu_tanh", "relu", "silu"]
+
+
+def _rand(*shape, device, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_nan_in_gives_nan_out(device, activation):
+    x = _rand(5, 7, device=device)
+    x[2, 3] = float("nan")
+    w = _rand(6, 7, device=device, seed=1)
+    out = tilefuse.linear(x, w, None, activation)
+    ref = reference.linear(x, w, None, activation)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out[2].isnan().all()  # relu(NaN) is NaN, as in PyTorch
+
+
+def test_gelu_forms_are_not_swapped(device):
+    # The erf and tanh forms differ by ~1e-3 near |x| ~ 2: each must match its own torch form far
+    # better than the other one, at fp32.
+    x = torch.linspace(-4, 4, 64, device=device).reshape(8, 8)
+    w = torch.eye(8, device=device)
+    erf, tanh = tilefuse.linear(x, w, None, "gelu"), tilefuse.linear(x, w, None, "gelu_tanh")
+    assert (erf - F.gelu(x)).abs().max() < 1e-6
+    assert (tanh - F.gelu(x, approximate="tanh")).abs().max() < 1e-6
+    assert (erf - tanh).abs().max() > 1e-4
+
+
+def test_empty_m_and_k(device):
+    w = _rand(5, 4, device=device)
+    b = _rand(5, device=device, seed=2)
+    out = tilefuse.linear(torch.empty(0, 4, device=device), w, b, "gelu")
+    assert out.shape == (0, 5)
+    x0 = torch.empty(3, 0, device=device)
+    w0 = torch.empty(5, 0, device=device)
+    out = tilefuse.linear(x0, w0, b, "gelu")  # K = 0: F.linear gives the bias
+    assert_close(out, F.gelu(F.linear(x0, w0, b)).double(), 1e-5, "K=0")
+    assert tilefuse.linear(x0, w0, None).abs().sum() == 0
+
+
+def test_large_magnitudes_stay_finite(device):
+    x = _rand(9, 33, device=device) * 1e3
+    w = _rand(17, 33, device=device, seed=3)
+    for act in ACTS:
+        out = tilefuse.linear(x, w, None, act)
+        ref = reference.linear(x.double(), w.double(), None, act)
+        assert_close(out, ref, 1e-5, f"x1e3 {act}")
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (dict(x=torch.randn(3, 4), weight=torch.randn(5, 6)), ValueError, "weight.shape\\[1\\]"),
+    (dict(x=torch.randn(3, 4), weight=torch.randn(5, 4, 1)), ValueError, "weight must be 2-D"),
+    (dict(x=torch.randn(3, 4), weight=torch.randn(5, 4), bias=torch.randn(4)), ValueError, "bias must have shape \\[5\\]"),
+    (dict(x=torch.randn(3, 4), weight=torch.randn(5, 4), activation="gelu_erf"), ValueError, "activation"),
+    (dict(x=torch.ones(3, 4, dtype=torch.int32), weight=torch.randn(5, 4)), TypeError, "x has dtype int32"),
+    (dict(x=torch.randn(3, 4), weight=torch.randn(5, 4, dtype=torch.float16)), TypeError, "weight has dtype"),
+    (dict(x=torch.randn(3, 4), weight=torch.randn(5, 4), bias=torch.randn(5, dtype=torch.float64)), TypeError, "bias has dtype"),
+    (dict(x=torch.tensor(1.0), weight=torch.randn(5, 1)), ValueError, "0-d"),
+    (dict(x=[[1.0]], weight=torch.randn(1, 1)), TypeError, "x must be a torch.Tensor"),
+])
+def test_bad_input_raises_before_launch(bad, exc, match):
+    args = {"bias": None, "activation": None, **bad}
+    with pytest.raises(exc, match=match):
+        tilefuse.linear(**args)
+
+
+@pytest.mark.gpu_only
+def test_devices_differ():
+    with pytest.raises(ValueError, match="weight is on cpu"):
+        tilefuse.linear(torch.randn(3, 4, device="cuda"), torch.randn(5, 4))
+
+
+def test_grad_required_is_refused_clearly(device):
+    x = _rand(3, 4, device=device).requires_grad_()
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        tilefuse.linear(x, _rand(5, 4, device=device))
+    with torch.no_grad():
+        tilefuse.linear(x, _rand(5, 4, device=device))
+
+
+def test_no_copy_of_transposed_weight(device, monkeypatch):
+    # A transposed weight view must reach the kernel as is (strides), not via .contiguous().
+    w = _rand(4, 6, device=device).t()  # [6, 4] view, stride (1, 6)
+    x = _rand(3, 4, device=device, seed=1)
+    calls = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    out = tilefuse.linear(x, w, None, "silu")
+    assert not calls
+    assert_close(out, reference.linear(x.double(), w.double(), None, "silu"), 1e-5, "transposed w")
+
+
+@pytest.mark.gpu_only
+def test_fp32_follows_the_tf32_flag():
+    # 4096-long dot products: tf32 (10-bit mantissa) errors are ~1e-4, far above the ieee 1e-5 bound.
+    x = torch.randn(256, 4096, device="cuda")
+    w = torch.randn(256, 4096, device="cuda")
+    ref = F.linear(x.double(), w.double())
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert_close(tilefuse.linear(x, w), ref, 1e-5, "ieee fp32")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        rel = ((tilefuse.linear(x, w).double() - ref).norm() / ref.norm()).item()
+        assert 1e-5 < rel < 1e-3, rel
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_cpu_without_interpreter_runs_the_reference():
+    # Documented: a CPU tensor without TRITON_INTERPRET runs tilefuse.reference, and `info` says so.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    code = ("import torch, tilefuse, tilefuse.ops.linear as L;"
+            "y = tilefuse.linear(torch.randn(3, 4), torch.randn(5, 4), None, 'gelu');"
+            "print(L.last_config['path'], tuple(y.shape))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["reference", "(3,", "5)"]
+    info = subprocess.run([sys.executable, "-m", "tilefuse", "info"], env=env, capture_output=True,
+                          text=True, check=True)
+    assert "path: reference" in info.stdout
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter path is the CPU path")
+def test_interpreter_path_is_used_on_cpu():
+    import tilefuse.ops.linear as L
+    tilefuse.linear(torch.randn(3, 4), torch.randn(5, 4))
+    assert L.last_config["path"] == "interpreter"
