@@ -1,9 +1,4 @@
-"""Plain PyTorch versions of every op: the truth for tests, benchmarks and the report.
-
-Each function is what a user would write without tilefuse (the "eager unfused" anchor). Called on
-float64 copies of the inputs it is the accuracy reference.
-"""
-from __future__ import annotations
+"""Reference for the GEMM family: F.linear then the activation."""
 
 import torch
 import torch.nn.functional as F

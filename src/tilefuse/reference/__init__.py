@@ -1,0 +1,6 @@
+"""Plain PyTorch versions of every op: the truth for tests, benchmarks and the report.
+
+Each function is what a user would write without tilefuse (the "eager unfused" anchor). Called on
+float64 copies of the inputs it is the accuracy reference. One module per op family.
+"""
+from tilefuse.reference.linear import activation, linear  # noqa: F401
