@@ -69,7 +69,14 @@ def cmd_info() -> int:
 
 def cmd_report(args) -> int:
     _prepare_interpreter()
+    from tilefuse import registry
     from tilefuse.harness.report import run_report
+
+    for name in args.ops or []:
+        if name not in registry.REGISTRY:
+            print(f"tilefuse report: unknown op {name!r}; known ops: {', '.join(registry.REGISTRY)}",
+                  file=sys.stderr)
+            return 2
 
     result = run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
                         anchor_filter=args.anchors, show_progress=not args.no_progress)

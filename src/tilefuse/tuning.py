@@ -44,4 +44,18 @@ def describe(config) -> str:
     else:
         kw, extra = config.kwargs, f" w{config.num_warps} s{config.num_stages}"
     tile = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in kw)
-    return f"{tile}{extra}"
+    flags = "".join(f" {name}" for key, name in (("WARP_SPECIALIZE", "ws"), ("EPILOGUE_SUBTILE", "subtile"))
+                    if kw.get(key))
+    return f"{tile}{extra}{flags}"
+
+
+# Hopper TMA persistent GEMM space (kernels/gemm_tma.py), as dicts so benchmarks can pin one.
+# 128x256x64 with 3 stages is the classic Hopper bf16 shape (two consumer warpgroups of 64 rows);
+# 128x128 serves mid-size N; 64-row tiles serve small M (wgmma's minimum M is 64).
+TMA_GEMM_CONFIGS = [
+    dict(bm=128, bn=256, bk=64, stages=3, warps=8),
+    dict(bm=128, bn=128, bk=64, stages=4, warps=8),
+    dict(bm=128, bn=128, bk=64, stages=4, warps=4),
+    dict(bm=64, bn=128, bk=64, stages=4, warps=4),
+    dict(bm=64, bn=256, bk=64, stages=4, warps=4),
+]

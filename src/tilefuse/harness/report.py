@@ -174,9 +174,14 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
                                            "ms": None})
             result["ops"][spec.name] = entry
             entry["plots"] = plots.write_op_plots(spec.name, entry, out)
+            _write(result, out)  # after every op, so a run cut short still leaves its results
+    _write(result, out)
+    return result
+
+
+def _write(result: dict, out: Path) -> None:
     (out / "report.json").write_text(json.dumps(result, indent=1, default=_json_default))
     (out / "REPORT.md").write_text(render_markdown(result))
-    return result
 
 
 def _json_default(o):
@@ -218,8 +223,8 @@ def render_markdown(result: dict) -> str:
                          f"{a['nan_mismatch']} | {'yes' if a['pass'] else '**NO**'} |")
         lines.append("")
         if op["speed"]:
-            lines += ["### Speed and roofline", ""]
             if on_gpu:
+                lines += ["### Speed and roofline", ""]
                 anchor_names = sorted({k for r in op["speed"] for k in r.get("anchors", {})})
                 head = ["case", "dtype", "ms", "TFLOP/s", "TB/s (fused bytes)", "% ceiling"]
                 head += [f"× {a}" for a in anchor_names] + ["rel-L2", "config"]

@@ -12,7 +12,7 @@ from tilefuse.ops._checks import (check_no_grad_needed, check_same_device, check
 
 # The config of the most recent launch, for the report ("which tile ran"). Not thread-safe by design:
 # it is a diagnostic, never an input to computation.
-last_config = {"config": None, "path": None}
+last_config = {"config": None, "path": None, "kernel": None}
 
 
 def _check_linear_args(x, weight, bias, activation):
@@ -83,7 +83,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _check_linear_args(x, weight, bias, activation)
     check_no_grad_needed("linear", x, weight, bias)
     path = runtime.execution_path(x)
-    last_config.update(config=None, path=path)
+    last_config.update(config=None, path=path, kernel=None)
     if path == runtime.REFERENCE:
         return reference.linear(x, weight, bias, activation)
 
@@ -100,7 +100,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         precision = "tf32" if (x.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
     else:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
-    cfg = launch_linear(x_rows, m_inner, s_outer, s_inner, s_k, weight, bias, y.view(M, N), M, N, K,
+    y2d = y.view(M, N)
+    if path == runtime.COMPILED and x.dtype != torch.float32 and s_k == 1 and (s_outer == 0 or m_inner == M):
+        from tilefuse.kernels import gemm_tma
+
+        x2d = x_rows.as_strided((M, K), (s_inner, 1))
+        if gemm_tma.tma_supported(x2d, weight, y2d):
+            last_config.update(config=gemm_tma.launch_linear_tma(x2d, weight, bias, y2d, activation),
+                               kernel="tma")
+            return y
+    cfg = launch_linear(x_rows, m_inner, s_outer, s_inner, s_k, weight, bias, y2d, M, N, K,
                         activation, precision, interpret=(path == runtime.INTERPRETER))
-    last_config["config"] = cfg
+    last_config.update(config=cfg, kernel="portable")
     return y

@@ -90,7 +90,8 @@ def _anchors(params):
 
 
 def _config_used():
-    return f"{linear_op.last_config['path']}: {tuning.describe(linear_op.last_config['config'])}"
+    lc = linear_op.last_config
+    return f"{lc['path']} {lc['kernel'] or ''}: {tuning.describe(lc['config'])}"
 
 
 LINEAR = OpSpec(

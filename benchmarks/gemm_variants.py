@@ -1,0 +1,87 @@
+"""Side-by-side timing of GEMM+GELU kernel variants on the GPU (issue: Hopper GEMM epilogues).
+
+For each shape: cuBLAS linear alone, eager linear+gelu, cuBLASLt's GELU epilogue, the portable
+autotuned kernel and every pinned TMA config (with and without warp specialization). For each compiled
+TMA variant it records registers, spills and whether the PTX uses wgmma. Prints a table and writes
+JSON to the path given (default gemm_variants.json).
+Run on the GPU:  PYTHONPATH=src python3 benchmarks/gemm_variants.py OUT.json [bf16|fp16]
+"""
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from tilefuse import tuning
+from tilefuse.kernels import gemm_tma
+from tilefuse.opspecs.linear import BENCH_SHAPES
+import tilefuse
+
+SMALL_M = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096)]
+
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main(out_path="gemm_variants.json", dtype_name="bf16"):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    rows = []
+    variants = [dict(c, ws=ws) for c in tuning.TMA_GEMM_CONFIGS for ws in (False, True)]
+    variants += [dict(tuning.TMA_GEMM_CONFIGS[0], subtile=False)]
+    for M, K, N in BENCH_SHAPES + SMALL_M:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(M, K, device="cuda", dtype=dtype, generator=g)
+        w = torch.randn(N, K, device="cuda", dtype=dtype, generator=g) / K ** 0.5
+        b = torch.randn(N, device="cuda", dtype=dtype, generator=g)
+        ref = F.gelu(F.linear(x.float(), w.float(), b.float()))
+        flops = 2 * M * N * K
+        row = {"shape": [M, K, N], "dtype": dtype_name, "ms": {}, "rel_l2": {}, "compile": {}}
+        row["ms"]["cublas linear only"] = bench(lambda: F.linear(x, w, b))
+        row["ms"]["eager linear+gelu"] = bench(lambda: F.gelu(F.linear(x, w, b)))
+        row["ms"]["cublaslt epilogue"] = bench(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True))
+        y = tilefuse.linear(x, w, b, "gelu")
+        row["ms"]["tilefuse.linear (dispatch)"] = bench(lambda: tilefuse.linear(x, w, b, "gelu"))
+        row["rel_l2"]["tilefuse.linear (dispatch)"] = ((y.float() - ref).norm() / ref.norm()).item()
+        from tilefuse.ops import linear as L
+        row["dispatch_config"] = tuning.describe(L.last_config["config"]) + " " + str(L.last_config.get("kernel"))
+        for v in variants:
+            name = "tma " + "_".join(f"{k}{val}" for k, val in v.items())
+            try:
+                y = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+
+                def run(v=v, y=y):
+                    gemm_tma.launch_linear_tma(x, w, b, y, "gelu", config=v)
+                run()
+                torch.cuda.synchronize()
+                row["rel_l2"][name] = ((y.float() - ref).norm() / ref.norm()).item()
+                row["ms"][name] = bench(run)
+            except Exception as exc:  # noqa: BLE001 - recorded per variant
+                row["ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        rows.append(row)
+        best = min((v, k) for k, v in row["ms"].items() if isinstance(v, float) and k.startswith("tma"))
+        print(f"M{M} K{K} N{N} {dtype_name}: cublas {row['ms']['cublas linear only']:.4f} "
+              f"lt-epi {row['ms']['cublaslt epilogue']:.4f} eager {row['ms']['eager linear+gelu']:.4f} "
+              f"dispatch {row['ms']['tilefuse.linear (dispatch)']:.4f} best-tma {best[0]:.4f} ({best[1]}) "
+              f"= {flops / best[0] / 1e9:.0f} TFLOP/s", flush=True)
+    # Compiler facts per compiled TMA variant: registers, spills, wgmma in the PTX.
+    facts = []
+    try:
+        for cache in gemm_tma.linear_tma_kernel.device_caches.values():
+            for key, compiled in cache[0].items():
+                ptx = compiled.asm.get("ptx", "")
+                facts.append({"key": str(key)[:300], "n_regs": compiled.n_regs, "n_spills": compiled.n_spills,
+                              "wgmma": "wgmma" in ptx, "shared": compiled.metadata.shared})
+    except Exception as exc:  # noqa: BLE001 - triton internals differ between versions; say so
+        facts.append({"error": f"could not read compiled kernels: {exc!r}"})
+    with open(out_path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "compiled": facts}, f, indent=1)
+    for fct in facts:
+        print("compiled:", fct["n_regs"], "regs", fct["n_spills"], "spills wgmma", fct["wgmma"], "smem", fct["shared"])
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

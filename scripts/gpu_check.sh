@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The one command sent to the H200:  scripts/gpu_check.sh [OPS...]
+# Runs the GPU tests and `tilefuse report` for the named registry ops (all when none are named), inside
+# its own time limit so partial results still come back, and packs everything under $OUT (the device
+# tool returns at most 8 files, at most 2 folders deep: the report folder travels as one tar).
+# Knobs (environment): GPU_CHECK_LIMIT total seconds (default 540), TESTS=0 to skip tests, REPORT=0 to
+# skip the report, SANITIZE=1 to run compute-sanitizer memcheck over the named ops' tests,
+# REPORT_ARGS extra arguments for `tilefuse report` (e.g. "--quick --anchors eager cublaslt").
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tilefuse_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# A Triton cache carried in from an earlier call (.carry/triton_cache.tgz) skips recompiling.
+export TRITON_CACHE_DIR=/tmp/triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .carry/triton_cache.tgz ] && tar xzf .carry/triton_cache.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
+# Pure-Python wheels carried in .whl (e.g. liger-kernel for its anchors).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+LIMIT=${GPU_CHECK_LIMIT:-540}
+START=$(date +%s)
+left() { echo $(( LIMIT - ($(date +%s) - START) )); }
+OPS=("$@")
+{ nvidia-smi; python3 -m tilefuse info; git log -1 --oneline 2>/dev/null; echo "ops: ${OPS[*]:-all}"; } > "$OUT/env.txt" 2>&1
+
+K_EXPR=""
+if [ ${#OPS[@]} -gt 0 ]; then K_EXPR=$(printf ' or %s' "${OPS[@]}"); K_EXPR=${K_EXPR# or }; fi
+if [ "${TESTS:-1}" = 1 ]; then
+  budget=$(( $(left) / 2 ))
+  timeout "$budget" python3 -m pytest -q -n 8 -p no:cacheprovider tests ${K_EXPR:+-k "$K_EXPR"} \
+    --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
+  echo "tests exit: $?" >> "$OUT/tests.log"
+  tail -3 "$OUT/tests.log"
+fi
+if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -x -p no:cacheprovider \
+    tests ${K_EXPR:+-k "$K_EXPR"} -k "not memory" > "$OUT/sanitizer.log" 2>&1
+  echo "sanitizer exit: $?" >> "$OUT/sanitizer.log"
+  tail -3 "$OUT/sanitizer.log"
+fi
+if [ "${REPORT:-1}" = 1 ]; then
+  timeout "$(( $(left) - 25 ))" python3 -m tilefuse report --no-progress --out "$OUT/report" \
+    ${OPS[@]:+--ops "${OPS[@]}"} ${REPORT_ARGS:-} > "$OUT/report.log" 2>&1
+  echo "report exit: $?" >> "$OUT/report.log"
+  tail -3 "$OUT/report.log"
+  tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$OUT/report"
+fi
+tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+[ "$(stat -c %s "$OUT/triton_cache.tgz")" -gt 15000000 ] && rm -f "$OUT/triton_cache.tgz"
+exit 0

@@ -1,0 +1,145 @@
+"""Hopper GEMM ``y = act(x @ w^T + b)``: tensor descriptors (TMA), persistent grid, fused epilogue.
+
+Fuses: GEMM + bias + activation, as gemm_epilogue.py, with the same HBM bytes: (M*K + N*K + M*N)*s fused
+against (M*K + N*K + 3*M*N)*s for GEMM-then-activation.
+Tiling: one program per SM walks output tiles tile_id = pid, pid + NUM_SMS, ... in grouped order (GROUP_M
+row-tiles per weight column band stay in L2). Operands arrive through TMA into swizzled shared memory and
+feed wgmma; the K loop is software-pipelined NUM_STAGES deep. The epilogue adds the bias, applies the
+activation on the fp32 accumulator and stores through TMA, optionally in two N-halves (EPILOGUE_SUBTILE)
+to halve the registers and shared memory it needs. TMA zero-fills out-of-bounds loads and clips stores,
+so the edges need no masks.
+Limits: x and y row-contiguous, w [N, K] K-contiguous, row strides multiples of 16 bytes, base pointers
+16-byte aligned; otherwise tilefuse.linear uses the portable kernel (gemm_epilogue.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilefuse import tuning
+from tilefuse.kernels.activations import apply_activation
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    pids_per_group = GROUP_M * num_pid_n
+    group_id = tile_id // pids_per_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % pids_per_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def linear_tma_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K,
+    M_BUCKET,  # autotune key only
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    out_dtype = y_ptr.dtype.element_ty
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    if EPILOGUE_SUBTILE:
+        y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N // 2])
+    else:
+        y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            x_tile = x_desc.load([off_m, off_k])
+            w_tile = w_desc.load([off_n, off_k])
+            acc = tl.dot(x_tile, w_tile.T, acc)
+
+        # Epilogue on the fp32 accumulator; the pre-activation never leaves the SM.
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        acc = apply_activation(acc, ACTIVATION)
+        if EPILOGUE_SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc_lo, acc_hi = tl.split(halves)
+            y_desc.store([off_m, off_n], acc_lo.to(out_dtype))
+            y_desc.store([off_m, off_n + BLOCK_N // 2], acc_hi.to(out_dtype))
+        else:
+            y_desc.store([off_m, off_n], acc.to(out_dtype))
+
+
+def _tma_config(bm, bn, bk, stages, warps, subtile=True, ws=False, group=8):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, EPILOGUE_SUBTILE=subtile,
+                              WARP_SPECIALIZE=ws), num_stages=stages, num_warps=warps)
+
+
+def tma_supported(x2d: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
+    """TMA needs unit inner strides, 16-byte-aligned row strides and base addresses, on sm_90+."""
+    if not (x2d.is_cuda and torch.cuda.get_device_capability(x2d.device)[0] >= 9):
+        return False
+    s = x2d.element_size()
+    for t in (x2d, w, y):
+        if t.stride(-1) != 1 or (t.stride(0) * s) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+_allocator_set = False
+
+
+def _ensure_allocator():
+    # Device-side tensor descriptors need scratch memory for the descriptors themselves.
+    global _allocator_set
+    if not _allocator_set:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _allocator_set = True
+
+
+linear_tma_autotuned = triton.autotune(
+    configs=[_tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS],
+    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION"],
+)(linear_tma_kernel)
+
+
+def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None):
+    """Persistent TMA launch. ``config`` pins one config (benchmarks of variants); None autotunes."""
+    _ensure_allocator()
+    M, K = x2d.shape
+    N = w.shape[0]
+    num_sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
+    args = (x2d, w, b if b is not None else y, y, M, N, K, tuning.m_bucket(M),
+            x2d.stride(0), w.stride(0), y.stride(0))
+    common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", NUM_SMS=num_sms)
+
+    def grid(meta):
+        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    if config is not None:
+        cfg = _tma_config(**config)
+        linear_tma_kernel[grid(cfg.kwargs)](*args, **common, **cfg.kwargs, num_warps=cfg.num_warps,
+                                            num_stages=cfg.num_stages)
+        return cfg
+    linear_tma_autotuned[grid](*args, **common)
+    return linear_tma_autotuned.best_config
