@@ -5,7 +5,7 @@
 # tool returns at most 8 files, at most 2 folders deep: the report folder travels as one tar).
 # Knobs (environment): GPU_CHECK_LIMIT total seconds (default 540), TESTS=0 to skip tests, REPORT=0 to
 # skip the report, SANITIZE=1 to run compute-sanitizer memcheck over the named ops' tests,
-# REPORT_ARGS extra arguments for `tilefuse report` (e.g. "--quick --anchors eager cublaslt").
+# TEST_K a pytest -k expression for the tests, REPORT_ARGS extra arguments for `tilefuse report` (e.g. "--quick --anchors eager cublaslt").
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tilefuse_out}
@@ -27,8 +27,8 @@ left() { echo $(( LIMIT - ($(date +%s) - START) )); }
 OPS=("$@")
 { nvidia-smi; python3 -m tilefuse info; git log -1 --oneline 2>/dev/null; echo "ops: ${OPS[*]:-all}"; } > "$OUT/env.txt" 2>&1
 
-K_EXPR=""
-if [ ${#OPS[@]} -gt 0 ]; then K_EXPR=$(printf ' or %s' "${OPS[@]}"); K_EXPR=${K_EXPR# or }; fi
+K_EXPR=${TEST_K:-}   # pytest -k expression; by default the op names joined with "or"
+if [ -z "$K_EXPR" ] && [ ${#OPS[@]} -gt 0 ]; then K_EXPR=$(printf ' or %s' "${OPS[@]}"); K_EXPR=${K_EXPR# or }; fi
 if [ "${TESTS:-1}" = 1 ]; then
   budget=$(( $(left) / 2 ))
   timeout "$budget" python3 -m pytest -q -n 8 -p no:cacheprovider tests ${K_EXPR:+-k "$K_EXPR"} \

@@ -9,10 +9,12 @@ import triton.language as tl
 
 from tilefuse.constants import ACTIVATIONS  # noqa: F401  (the names the helpers below implement)
 
-_SQRT1_2 = 0.7071067811865476      # 1/sqrt(2), GELU erf form
-_SQRT2_OVER_PI = 0.7978845608028654  # sqrt(2/pi), GELU tanh form
-_GELU_TANH_C = 0.044715
-_INV_SQRT_2PI = 0.3989422804014327  # 1/sqrt(2*pi), the normal pdf
+# Globals read inside @triton.jit must be tl.constexpr (the compiler refuses plain floats; the
+# interpreter does not check, so this is only caught on a GPU).
+_SQRT1_2 = tl.constexpr(0.7071067811865476)       # 1/sqrt(2), GELU erf form
+_SQRT2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2/pi), GELU tanh form
+_GELU_TANH_C = tl.constexpr(0.044715)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)   # 1/sqrt(2*pi), the normal pdf
 
 
 @triton.jit

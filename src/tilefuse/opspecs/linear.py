@@ -5,7 +5,7 @@ import torch
 
 from tilefuse import reference, tuning
 from tilefuse.ops import linear as linear_op
-from tilefuse.registry import OpSpec
+from tilefuse.opspec import OpSpec
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

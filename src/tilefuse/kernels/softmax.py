@@ -1,0 +1,515 @@
+"""Softmax over one dim of a strided tensor, forward and backward, fp32 math, rows of any length.
+
+Fuses: max, exp, sum and normalize (forward); the row dot sum(dy*y) and dx = y*(dy - dot) (backward).
+HBM bytes (R rows of N, element size s): forward minimum 2*R*N*s (read x, write y); a row that fits one
+block is read once and kept in registers. Longer rows loop over chunks and re-read x: "two_pass" 4*R*N*s
+(max, sum, write passes), "online" 3*R*N*s (running (m, d), write); re-reads walk the row backwards so
+they hit L2. Backward minimum 3*R*N*s (read y, dy; write dx), 5*R*N*s looped.
+Tiling: BLOCK_M rows x BLOCK_N columns per program; a few long rows are split into segments over many
+programs (per-segment (m, d) or partial dot to a workspace, then a combine-and-write kernel).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tilefuse import tuning
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(z) = exp2(z * log2(e)): ex2 is the hardware unit
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile helpers. A "rows" argument is a [BLOCK_M] tensor of row base pointers; columns are
+# lo <= offs_n < hi at stride_n. Everything returned is fp32.
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _cols(offs_n, stride_n, WIDE: tl.constexpr):
+    # 64-bit column offsets only when (N - 1) * stride_n can pass 2**31 (a long strided dim).
+    if WIDE:
+        offs = offs_n.to(tl.int64) * stride_n
+    else:
+        offs = offs_n * stride_n
+    return offs
+
+
+@triton.jit
+def _load(rows, mask_m, offs_n, hi, stride_n, OTHER: tl.constexpr, EVICT: tl.constexpr,
+          WIDE: tl.constexpr):
+    mask = mask_m[:, None] & (offs_n < hi)[None, :]
+    ptrs = rows[:, None] + _cols(offs_n, stride_n, WIDE)[None, :]
+    return tl.load(ptrs, mask=mask, other=OTHER, eviction_policy=EVICT).to(tl.float32)
+
+
+@triton.jit
+def _store(rows, mask_m, offs_n, hi, stride_n, value, WIDE: tl.constexpr):
+    mask = mask_m[:, None] & (offs_n < hi)[None, :]
+    ptrs = rows[:, None] + _cols(offs_n, stride_n, WIDE)[None, :]
+    tl.store(ptrs, value.to(rows.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _chunk_start(lo, c, n_chunks, REVERSE: tl.constexpr, BLOCK_N: tl.constexpr):
+    if REVERSE:
+        start = lo + (n_chunks - 1 - c) * BLOCK_N
+    else:
+        start = lo + c * BLOCK_N
+    return start
+
+
+@triton.jit
+def _row_stats(x_rows, mask_m, lo, hi, stride_xn, ALGORITHM: tl.constexpr, WIDE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(m, d) per row over columns [lo, hi): the max and sum(exp(x - m)), both fp32 [BLOCK_M].
+
+    Columns that are all -inf give (-inf, 0), so an all -inf segment adds nothing when segments
+    combine (the exponent is taken against m_ref = 0 there instead of -inf - -inf = NaN); the final
+    write still uses the true m, so a row that is -inf everywhere comes out NaN, as in torch.
+    """
+    cols = tl.arange(0, BLOCK_N)
+    n_chunks = tl.cdiv(hi - lo, BLOCK_N)
+    d_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # per-lane partial sums: one reduction at the end
+    if ALGORITHM == "two_pass":
+        m_acc = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+        for c in range(0, n_chunks):
+            x = _load(x_rows, mask_m, lo + c * BLOCK_N + cols, hi, stride_xn, float("-inf"),
+                      "evict_last", WIDE)
+            m_acc = tl.maximum(m_acc, x)
+        m = tl.max(m_acc, axis=1)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        for c in range(0, n_chunks):  # backwards: the chunks read last are the ones still in L2
+            start = _chunk_start(lo, c, n_chunks, True, BLOCK_N)
+            x = _load(x_rows, mask_m, start + cols, hi, stride_xn, float("-inf"), "evict_last", WIDE)
+            d_acc += tl.exp2((x - m_ref[:, None]) * LOG2E)
+    else:
+        # Online: the running max m and the lane sums rescaled by exp(m_old - m_new) when m grows.
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for c in range(0, n_chunks):
+            x = _load(x_rows, mask_m, lo + c * BLOCK_N + cols, hi, stride_xn, float("-inf"),
+                      "evict_last", WIDE)
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2((m - m_ref) * LOG2E)
+            d_acc = d_acc * alpha[:, None] + tl.exp2((x - m_ref[:, None]) * LOG2E)
+            m = m_new
+    return m, tl.sum(d_acc, axis=1)
+
+
+@triton.jit
+def _write_probs(x_rows, y_rows, mask_m, lo, hi, stride_xn, stride_yn, m, inv_d,
+                 REVERSE: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y = exp(x - m) * inv_d over columns [lo, hi), walking in the direction that starts in L2."""
+    cols = tl.arange(0, BLOCK_N)
+    n_chunks = tl.cdiv(hi - lo, BLOCK_N)
+    for c in range(0, n_chunks):
+        offs_n = _chunk_start(lo, c, n_chunks, REVERSE, BLOCK_N) + cols
+        x = _load(x_rows, mask_m, offs_n, hi, stride_xn, float("-inf"), "evict_first", WIDE)
+        _store(y_rows, mask_m, offs_n, hi, stride_yn, tl.exp2((x - m[:, None]) * LOG2E) * inv_d[:, None],
+               WIDE)
+
+
+@triton.jit
+def _row_dot(y_rows, dy_rows, mask_m, lo, hi, stride_yn, stride_dyn, WIDE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        y = _load(y_rows, mask_m, start + cols, hi, stride_yn, 0.0, "evict_last", WIDE)
+        dy = _load(dy_rows, mask_m, start + cols, hi, stride_dyn, 0.0, "evict_last", WIDE)
+        acc += y * dy
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _write_grad(y_rows, dy_rows, dx_rows, mask_m, lo, hi, stride_yn, stride_dyn, stride_dxn, dot,
+                WIDE: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    n_chunks = tl.cdiv(hi - lo, BLOCK_N)
+    for c in range(0, n_chunks):  # backwards, after the forward dot pass
+        offs_n = _chunk_start(lo, c, n_chunks, True, BLOCK_N) + cols
+        y = _load(y_rows, mask_m, offs_n, hi, stride_yn, 0.0, "evict_first", WIDE)
+        dy = _load(dy_rows, mask_m, offs_n, hi, stride_dyn, 0.0, "evict_first", WIDE)
+        _store(dx_rows, mask_m, offs_n, hi, stride_dxn, y * (dy - dot[:, None]), WIDE)
+
+
+@triton.jit
+def _tile_rows(R_INNER, BLOCK_M: tl.constexpr):
+    """Program -> (outer row index, BLOCK_M consecutive inner row indices, their mask).
+
+    Rows are (outer, inner) pairs so a dim that is not last needs no copy; consecutive inner rows
+    keep the compiler's contiguity facts, which is what coalesces a tile of neighbouring rows.
+    """
+    pid = tl.program_id(0)
+    blocks_per_outer = tl.cdiv(R_INNER, BLOCK_M)
+    outer = (pid // blocks_per_outer).to(tl.int64)
+    offs_i = (pid % blocks_per_outer) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return outer, offs_i.to(tl.int64), offs_i < R_INNER
+
+
+@triton.jit
+def _segment_row(R, R_INNER, REVERSE: tl.constexpr):
+    """Split kernels: program (segment, row) on grid (S, R), optionally in reverse launch order (the
+    write kernel starts with what the stats kernel read last)."""
+    pid_s = tl.program_id(0)
+    row = tl.program_id(1)
+    if REVERSE:
+        pid_s = tl.num_programs(0) - 1 - pid_s
+        row = R - 1 - row
+    outer = (row // R_INNER).to(tl.int64)
+    offs_i = (row % R_INNER + tl.arange(0, 1)).to(tl.int64)
+    return pid_s, row, outer, offs_i, offs_i >= 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def softmax_fwd_kernel(
+    x_ptr, y_ptr,
+    N, R_INNER,
+    stride_xo, stride_xi, stride_xn,
+    stride_yo, stride_yi, stride_yn,
+    KEY_N, KEY_R,  # autotune keys only: power-of-two buckets of N and of the row count
+    ALGORITHM: tl.constexpr, SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    outer, offs_i, mask_m = _tile_rows(R_INNER, BLOCK_M)
+    x_rows = x_ptr + outer * stride_xo + offs_i * stride_xi
+    y_rows = y_ptr + outer * stride_yo + offs_i * stride_yi
+    if SINGLE_BLOCK:
+        # The whole row is one tile: one read, max / exp / sum / scale in registers, one write.
+        offs_n = tl.arange(0, BLOCK_N)
+        x = _load(x_rows, mask_m, offs_n, N, stride_xn, float("-inf"), "evict_first", WIDE)
+        m = tl.max(x, axis=1)
+        p = tl.exp2((x - m[:, None]) * LOG2E)
+        inv_d = 1.0 / tl.sum(p, axis=1)
+        _store(y_rows, mask_m, offs_n, N, stride_yn, p * inv_d[:, None], WIDE)
+    else:
+        m, d = _row_stats(x_rows, mask_m, 0, N, stride_xn, ALGORITHM, WIDE, BLOCK_M, BLOCK_N)
+        # two_pass ended its sum pass at the row start, online its stats pass at the row end.
+        _write_probs(x_rows, y_rows, mask_m, 0, N, stride_xn, stride_yn, m, 1.0 / d,
+                     ALGORITHM == "online", WIDE, BLOCK_N)
+
+
+@triton.jit
+def softmax_split_stats_kernel(
+    x_ptr, m_ptr, d_ptr,
+    N, R, R_INNER, SEG_LEN, S,
+    stride_xo, stride_xi, stride_xn,
+    ALGORITHM: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_s, row, outer, offs_i, mask_m = _segment_row(R, R_INNER, False)
+    x_rows = x_ptr + outer * stride_xo + offs_i * stride_xi
+    lo = pid_s * SEG_LEN
+    m, d = _row_stats(x_rows, mask_m, lo, tl.minimum(lo + SEG_LEN, N), stride_xn, ALGORITHM, WIDE,
+                      1, BLOCK_N)
+    ws = row * S + pid_s + tl.arange(0, 1)
+    tl.store(m_ptr + ws, m)
+    tl.store(d_ptr + ws, d)
+
+
+@triton.jit
+def softmax_split_write_kernel(
+    x_ptr, y_ptr, m_ptr, d_ptr,
+    N, R, R_INNER, SEG_LEN, S,
+    stride_xo, stride_xi, stride_xn,
+    stride_yo, stride_yi, stride_yn,
+    ALGORITHM: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid_s, row, outer, offs_i, mask_m = _segment_row(R, R_INNER, True)
+    # Combine the row's S segment states (tiny, redone by each of its programs):
+    # m = max m_s, d = sum d_s * exp(m_s - m).
+    offs_s = tl.arange(0, BLOCK_S)[None, :]
+    ws = row * S + offs_s
+    m_s = tl.load(m_ptr + ws, mask=offs_s < S, other=float("-inf"))
+    d_s = tl.load(d_ptr + ws, mask=offs_s < S, other=0.0)
+    m = tl.max(m_s, axis=1)
+    d = tl.sum(d_s * tl.exp2((m_s - m[:, None]) * LOG2E), axis=1)
+    x_rows = x_ptr + outer * stride_xo + offs_i * stride_xi
+    y_rows = y_ptr + outer * stride_yo + offs_i * stride_yi
+    lo = pid_s * SEG_LEN
+    _write_probs(x_rows, y_rows, mask_m, lo, tl.minimum(lo + SEG_LEN, N), stride_xn, stride_yn, m,
+                 1.0 / d, ALGORITHM == "online", WIDE, BLOCK_N)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward: dx = y * (dy - sum(dy * y)) over the row
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def softmax_bwd_kernel(
+    y_ptr, dy_ptr, dx_ptr,
+    N, R_INNER,
+    stride_yo, stride_yi, stride_yn,
+    stride_dyo, stride_dyi, stride_dyn,
+    stride_dxo, stride_dxi, stride_dxn,
+    KEY_N, KEY_R,
+    SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    outer, offs_i, mask_m = _tile_rows(R_INNER, BLOCK_M)
+    y_rows = y_ptr + outer * stride_yo + offs_i * stride_yi
+    dy_rows = dy_ptr + outer * stride_dyo + offs_i * stride_dyi
+    dx_rows = dx_ptr + outer * stride_dxo + offs_i * stride_dxi
+    if SINGLE_BLOCK:
+        offs_n = tl.arange(0, BLOCK_N)
+        y = _load(y_rows, mask_m, offs_n, N, stride_yn, 0.0, "evict_first", WIDE)
+        dy = _load(dy_rows, mask_m, offs_n, N, stride_dyn, 0.0, "evict_first", WIDE)
+        dot = tl.sum(y * dy, axis=1)
+        _store(dx_rows, mask_m, offs_n, N, stride_dxn, y * (dy - dot[:, None]), WIDE)
+    else:
+        dot = _row_dot(y_rows, dy_rows, mask_m, 0, N, stride_yn, stride_dyn, WIDE, BLOCK_M, BLOCK_N)
+        _write_grad(y_rows, dy_rows, dx_rows, mask_m, 0, N, stride_yn, stride_dyn, stride_dxn, dot,
+                    WIDE, BLOCK_N)
+
+
+@triton.jit
+def softmax_bwd_split_dot_kernel(
+    y_ptr, dy_ptr, part_ptr,
+    N, R, R_INNER, SEG_LEN, S,
+    stride_yo, stride_yi, stride_yn,
+    stride_dyo, stride_dyi, stride_dyn,
+    WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_s, row, outer, offs_i, mask_m = _segment_row(R, R_INNER, False)
+    y_rows = y_ptr + outer * stride_yo + offs_i * stride_yi
+    dy_rows = dy_ptr + outer * stride_dyo + offs_i * stride_dyi
+    lo = pid_s * SEG_LEN
+    dot = _row_dot(y_rows, dy_rows, mask_m, lo, tl.minimum(lo + SEG_LEN, N), stride_yn, stride_dyn,
+                   WIDE, 1, BLOCK_N)
+    tl.store(part_ptr + row * S + pid_s + tl.arange(0, 1), dot)
+
+
+@triton.jit
+def softmax_bwd_split_write_kernel(
+    y_ptr, dy_ptr, dx_ptr, part_ptr,
+    N, R, R_INNER, SEG_LEN, S,
+    stride_yo, stride_yi, stride_yn,
+    stride_dyo, stride_dyi, stride_dyn,
+    stride_dxo, stride_dxi, stride_dxn,
+    WIDE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid_s, row, outer, offs_i, mask_m = _segment_row(R, R_INNER, True)
+    offs_s = tl.arange(0, BLOCK_S)[None, :]
+    dot = tl.sum(tl.load(part_ptr + row * S + offs_s, mask=offs_s < S, other=0.0), axis=1)
+    y_rows = y_ptr + outer * stride_yo + offs_i * stride_yi
+    dy_rows = dy_ptr + outer * stride_dyo + offs_i * stride_dyi
+    dx_rows = dx_ptr + outer * stride_dxo + offs_i * stride_dxi
+    lo = pid_s * SEG_LEN
+    _write_grad(y_rows, dy_rows, dx_rows, mask_m, lo, tl.minimum(lo + SEG_LEN, N), stride_yn,
+                stride_dyn, stride_dxn, dot, WIDE, BLOCK_N)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans and launchers
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Caps:
+    """Block-size limits. The interpreter's are tiny so rows of ~300 already take the chunk loop
+    and the split-row path (its cost is per program and per op, not per element)."""
+    max_block_n: int    # rows up to this many columns are one tile kept in registers
+    tile: int           # target elements per program for short rows (several rows per program)
+    max_tile: int       # never more elements than this in one tile (register budget)
+    loop_rows: int      # rows per program in the chunk loop
+    loop_block_n: int   # chunk width in the loop (GPU: autotuned around it)
+    split_block_n: int  # chunk width in the split-row kernels
+    min_seg: int        # shortest segment worth a program of its own
+    num_sms: int
+
+
+GPU_CAPS = Caps(max_block_n=16384, tile=8192, max_tile=16384, loop_rows=1, loop_block_n=4096,
+                split_block_n=4096, min_seg=4096, num_sms=132)
+INTERPRETER_CAPS = Caps(max_block_n=128, tile=2048, max_tile=2048, loop_rows=8, loop_block_n=64,
+                        split_block_n=64, min_seg=64, num_sms=2)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str           # "block" (row in registers), "loop" (chunk loop), "split" (row over programs)
+    block_m: int
+    block_n: int
+    num_warps: int
+    segments: int = 1
+    seg_len: int = 0
+    tuned: bool = False  # GPU: triton.autotune picks among this config and its neighbours
+
+    def describe(self) -> str:
+        s = f"{self.mode} {self.block_m}x{self.block_n} w{self.num_warps}"
+        return s + (f" {self.segments}x{self.seg_len}" if self.mode == "split" else "")
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _warps(tile: int) -> int:
+    # ~16 fp32 values per thread: enough loads in flight per SM without spilling.
+    return max(1, min(16, tile // 512))
+
+
+def plan(rows: int, r_inner: int, n: int, rows_adjacent: bool, elem_size: int, caps: Caps) -> Plan:
+    """Choose the tiling for R rows of N (rows_adjacent: the columns are strided but neighbouring
+    rows are contiguous in memory, i.e. softmax over a dim that is not last)."""
+    if rows_adjacent:
+        # Tile tall in rows so each column slice is >= one 32-byte sector; as wide as fits.
+        # One tile per row block when it fits max_tile, else a chunk loop at the smaller target tile
+        # (the loop also holds the lane sums: twice the registers).
+        bm = min(_pow2(r_inner), 64, max(32 // elem_size, caps.tile // _pow2(n)))
+        if bm * _pow2(n) <= caps.max_tile and n <= caps.max_block_n:
+            return Plan("block", bm, _pow2(n), _warps(bm * _pow2(n)))
+        bn = min(max(1, caps.tile // bm), caps.max_block_n // 2)
+        return Plan("loop", bm, bn, _warps(bm * bn))
+    if n > caps.max_block_n and rows < 2 * caps.num_sms:
+        # Too few rows to fill the GPU with one program per row: split each row into segments.
+        bn = caps.split_block_n
+        segs = min(triton.cdiv(4 * caps.num_sms, rows), triton.cdiv(n, caps.min_seg))
+        seg_len = triton.cdiv(triton.cdiv(n, segs), bn) * bn  # whole chunks: aligned 16-byte loads
+        segs = triton.cdiv(n, seg_len)
+        if segs > 1:
+            return Plan("split", 1, bn, _warps(bn), segs, seg_len)
+    tuned = caps is GPU_CAPS
+    if n <= caps.max_block_n:
+        bn = _pow2(n)
+        bm = block_rows(bn, r_inner, caps)
+        return Plan("block", bm, bn, _warps(bm * bn), tuned=tuned)
+    return Plan("loop", caps.loop_rows, caps.loop_block_n, _warps(caps.loop_rows * caps.loop_block_n),
+                tuned=tuned)
+
+
+def block_rows(block_n: int, r_inner: int, caps: Caps) -> int:
+    return max(1, min(caps.tile // block_n, _pow2(r_inner), 1024))
+
+
+# Autotune (GPU only): the heuristic plan and two neighbours, keyed on power-of-two buckets.
+def _block_config_space():
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (2 ** i for i in range(11))
+            for w in (1, 2, 4, 8, 16)]
+
+
+def _prune_block(configs, named_args, **kwargs):
+    """Keep (rows, warps) of the heuristic, half its warps, and twice its rows (if the tile allows)."""
+    args = {**named_args, **kwargs}
+    bn, r_inner = args["BLOCK_N"], args["R_INNER"]
+    bm = block_rows(bn, r_inner, GPU_CAPS)
+    w = _warps(bm * bn)
+    keep = {(bm, w), (bm, max(1, w // 2))}
+    if 2 * bm <= _pow2(r_inner) and 2 * bm * bn <= GPU_CAPS.max_tile:
+        keep.add((2 * bm, _warps(2 * bm * bn)))
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.num_warps) in keep]
+
+
+_LOOP_CONFIGS = [triton.Config({"BLOCK_M": 1, "BLOCK_N": bn}, num_warps=_warps(bn))
+                 for bn in (2048, 4096, 8192)]
+
+softmax_fwd_block_tuned = triton.autotune(
+    configs=_block_config_space(), key=["KEY_N", "KEY_R", "WIDE"],
+    prune_configs_by={"early_config_prune": _prune_block})(softmax_fwd_kernel)
+softmax_fwd_loop_tuned = triton.autotune(
+    configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "ALGORITHM", "WIDE"])(softmax_fwd_kernel)
+softmax_bwd_block_tuned = triton.autotune(
+    configs=_block_config_space(), key=["KEY_N", "KEY_R", "WIDE"],
+    prune_configs_by={"early_config_prune": _prune_block})(softmax_bwd_kernel)
+softmax_bwd_loop_tuned = triton.autotune(
+    configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "WIDE"])(softmax_bwd_kernel)
+
+# When False, the GPU runs the heuristic plan as is (no autotune): a switch for quick GPU checks.
+AUTOTUNE = True
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """R rows of N columns, row r = (outer, inner) with R = R_OUTER * R_INNER; per tensor the strides
+    (outer, inner, column). Every tensor of one launch enumerates the rows in the same order."""
+    rows: int
+    r_inner: int
+    n: int
+    strides: tuple  # one (stride_outer, stride_inner, stride_n) per tensor, in argument order
+
+    @property
+    def wide(self) -> bool:
+        return any((self.n - 1) * abs(sn) >= 2 ** 31 for _, _, sn in self.strides)
+
+
+def _caps(interpret: bool, device: torch.device) -> Caps:
+    if interpret:
+        return INTERPRETER_CAPS
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return GPU_CAPS if sms == GPU_CAPS.num_sms else Caps(**{**GPU_CAPS.__dict__, "num_sms": sms})
+
+
+def _plan_for(layout: RowLayout, t: torch.Tensor, interpret: bool) -> Plan:
+    _, s_inner, s_n = layout.strides[0]
+    rows_adjacent = s_n != 1 and s_inner == 1 and layout.r_inner > 1
+    return plan(layout.rows, layout.r_inner, layout.n, rows_adjacent, t.element_size(),
+                _caps(interpret, t.device))
+
+
+def _flat_strides(layout: RowLayout):
+    return [s for triple in layout.strides for s in triple]
+
+
+def launch_softmax_forward(x, y, layout: RowLayout, algorithm: str, interpret: bool) -> str:
+    """y = softmax(x) over the layout's rows; returns a description of the config that ran."""
+    p = _plan_for(layout, x, interpret)
+    R, r_inner, N = layout.rows, layout.r_inner, layout.n
+    wide = layout.wide
+    if p.mode == "split":
+        ws = torch.empty((2, R, p.segments), dtype=torch.float32, device=x.device)
+        (sxo, sxi, sxn), (syo, syi, syn) = layout.strides
+        grid = (p.segments, R)
+        softmax_split_stats_kernel[grid](x, ws[0], ws[1], N, R, r_inner, p.seg_len, p.segments,
+                                         sxo, sxi, sxn, ALGORITHM=algorithm, WIDE=wide,
+                                         BLOCK_N=p.block_n, num_warps=p.num_warps)
+        softmax_split_write_kernel[grid](x, y, ws[0], ws[1], N, R, r_inner, p.seg_len, p.segments,
+                                         sxo, sxi, sxn, syo, syi, syn, ALGORITHM=algorithm, WIDE=wide,
+                                         BLOCK_N=p.block_n, BLOCK_S=_pow2(p.segments),
+                                         num_warps=p.num_warps)
+        return f"{algorithm} {p.describe()}"
+    # One tile per row: both algorithms are the same single read, so compile one variant.
+    kernel_algorithm = "online" if p.mode == "block" else algorithm
+    n_outer = R // r_inner
+    args = (x, y, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(R))
+    common = dict(ALGORITHM=kernel_algorithm, SINGLE_BLOCK=p.mode == "block", WIDE=wide)
+    return _launch_rows(softmax_fwd_kernel, softmax_fwd_block_tuned, softmax_fwd_loop_tuned,
+                        p, args, common, n_outer, r_inner, algorithm)
+
+
+def launch_softmax_backward(y, dy, dx, layout: RowLayout, interpret: bool) -> str:
+    """dx = y * (dy - sum(dy * y)) over the layout's rows."""
+    p = _plan_for(layout, y, interpret)
+    R, r_inner, N = layout.rows, layout.r_inner, layout.n
+    wide = layout.wide
+    if p.mode == "split":
+        part = torch.empty((R, p.segments), dtype=torch.float32, device=y.device)
+        (syo, syi, syn), (sdo, sdi, sdn), (sxo, sxi, sxn) = layout.strides
+        grid = (p.segments, R)
+        softmax_bwd_split_dot_kernel[grid](y, dy, part, N, R, r_inner, p.seg_len, p.segments,
+                                           syo, syi, syn, sdo, sdi, sdn, WIDE=wide, BLOCK_N=p.block_n,
+                                           num_warps=p.num_warps)
+        softmax_bwd_split_write_kernel[grid](y, dy, dx, part, N, R, r_inner, p.seg_len, p.segments,
+                                             syo, syi, syn, sdo, sdi, sdn, sxo, sxi, sxn, WIDE=wide,
+                                             BLOCK_N=p.block_n, BLOCK_S=_pow2(p.segments),
+                                             num_warps=p.num_warps)
+        return f"backward {p.describe()}"
+    n_outer = R // r_inner
+    args = (y, dy, dx, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(R))
+    common = dict(SINGLE_BLOCK=p.mode == "block", WIDE=wide)
+    return _launch_rows(softmax_bwd_kernel, softmax_bwd_block_tuned, softmax_bwd_loop_tuned,
+                        p, args, common, n_outer, r_inner, "backward")
+
+
+def _launch_rows(kernel, block_tuned, loop_tuned, p: Plan, args, common, n_outer, r_inner, name):
+    def grid(meta):
+        return (n_outer * triton.cdiv(r_inner, meta["BLOCK_M"]),)
+
+    if p.tuned and AUTOTUNE:
+        if p.mode == "block":
+            block_tuned[grid](*args, **common, BLOCK_N=p.block_n)
+            cfg = block_tuned.best_config
+            return f"{name} block {cfg.kwargs['BLOCK_M']}x{p.block_n} w{cfg.num_warps} (tuned)"
+        loop_tuned[grid](*args, **common)
+        cfg = loop_tuned.best_config
+        return f"{name} loop 1x{cfg.kwargs['BLOCK_N']} w{cfg.num_warps} (tuned)"
+    kernel[grid](*args, **common, BLOCK_M=p.block_m, BLOCK_N=p.block_n, num_warps=p.num_warps)
+    return f"{name} {p.describe()}"

@@ -1,0 +1,94 @@
+"""Reference for attention: explicit softmax(q k^T * scale + mask) v in plain PyTorch.
+
+This is the unfused math (the scores are materialised). When the score matrix would pass
+``CHUNK_BYTES`` it is computed one block of query rows at a time -- still the same unfused ops,
+but a 16k-token reference does not need B*H*N*N*8 bytes at once.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK_BYTES = 4 << 30
+
+
+def _rows_per_chunk(n_rows_total: int, n_q: int, n_k: int, elem_bytes: int) -> int:
+    """Query rows per chunk so that one chunk's scores (all batches and heads) stay under CHUNK_BYTES."""
+    per_row = max(1, n_rows_total // max(n_q, 1)) * n_k * elem_bytes * 3  # scores, probs, a temporary
+    return max(1, min(n_q, CHUNK_BYTES // per_row))
+
+
+def _safe_softmax(s: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim; a row that is all -inf gives 0 (torch's SDPA math does the same)."""
+    p = torch.softmax(s, dim=-1)
+    fully_masked = (s == float("-inf")).all(dim=-1, keepdim=True)
+    return p.masked_fill(fully_masked, 0.0)
+
+
+def visibility(n_q: int, n_k: int, pos_offset: int, left: int, right: int, device) -> torch.Tensor | None:
+    """[n_q, n_k] bool: query row i (position i + pos_offset) sees key j when
+    p - left <= j <= p + right; a negative bound is unbounded. None when everything is visible."""
+    if left < 0 and right < 0:
+        return None
+    pos = torch.arange(n_q, device=device)[:, None] + pos_offset
+    j = torch.arange(n_k, device=device)[None, :]
+    vis = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        vis &= j >= pos - left
+    if right >= 0:
+        vis &= j <= pos + right
+    return vis
+
+
+def _attend(q, k, v, scale, vis, mask):
+    """q [..., Nq, d], k/v [..., Nk, d] (broadcastable batch dims); vis [Nq, Nk] or None; mask
+    (bool or additive) broadcastable to [..., Nq, Nk] or None. Returns (out, lse)."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    rows_total = q.numel() // max(q.shape[-1], 1)
+    step = _rows_per_chunk(rows_total, n_q, n_k, q.element_size())
+    outs, lses = [], []
+    for r0 in range(0, n_q, step):
+        r1 = min(n_q, r0 + step)
+        s = (q[..., r0:r1, :] @ k.transpose(-2, -1)) * scale
+        if vis is not None:
+            s = s.masked_fill(~vis[r0:r1], float("-inf"))
+        if mask is not None:
+            m = mask[..., r0:r1, :] if mask.dim() >= 2 and mask.shape[-2] == n_q else mask
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+        lses.append(torch.logsumexp(s, dim=-1))
+        outs.append(_safe_softmax(s).to(v.dtype) @ v)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, deterministic=False):
+    """tilefuse.attention's semantics: GQA by repeat_interleave, bottom-right aligned causal/window."""
+    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    scale = d ** -0.5 if scale is None else scale
+    vis = visibility(n_q, n_k, n_k - n_q, left, right, q.device)
+    out, lse = _attend(q, k, v, scale, vis, None)
+    if return_lse:  # fp32 as the kernel returns it (kept fp64 when the reference runs in fp64)
+        return out, (lse if lse.dtype == torch.float64 else lse.float())
+    return out
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention's math: top-left causal, bool or additive
+    mask, broadcast batch dims, GQA by repeat_interleave over dim -3. (torch's math backend refuses
+    is_causal with a mask; here, as in torch's CPU flash kernel, both apply.)"""
+    if dropout_p > 0:
+        raise NotImplementedError("the reference has no dropout")
+    n_q, n_k = query.shape[-2], key.shape[-2]
+    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        group = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(group, dim=-3)
+        value = value.repeat_interleave(group, dim=-3)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    vis = visibility(n_q, n_k, 0, -1, 0, query.device) if is_causal else None
+    return _attend(query, key, value, scale, vis, attn_mask)[0]

@@ -1,0 +1,235 @@
+"""tilefuse.attention / scaled_dot_product_attention beyond the registry grid: both load paths, lse,
+rows that see no key, NaN, layouts, torch SDPA parity, errors, memory."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilefuse  # noqa: F401  (public surface imports)
+from helpers import ON_GPU, assert_close
+from tilefuse.ops.attention import attention, last_config, scaled_dot_product_attention
+from tilefuse.reference import attention as ref
+from tilefuse.registry import REL_L2_BOUND
+
+FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _rand(*shape, device, dtype=FP32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def _qkv(B, Hq, Hkv, Nq, Nk, d, device, dtype=FP32, seed=0):
+    return (_rand(B, Hq, Nq, d, device=device, dtype=dtype, seed=seed),
+            _rand(B, Hkv, Nk, d, device=device, dtype=dtype, seed=seed + 1),
+            _rand(B, Hkv, Nk, d, device=device, dtype=dtype, seed=seed + 2))
+
+
+def _f64(*ts):
+    return [t.double() for t in ts]
+
+
+@pytest.mark.parametrize("dtype", [FP32, FP16, BF16])
+@pytest.mark.parametrize("Nq,Nk,d,causal,window", [
+    (17, 130, 40, True, None), (130, 70, 64, False, (30, 10)), (70, 70, 128, True, (40, -1))])
+def test_descriptor_and_pointer_paths_agree_with_reference(device, dtype, Nq, Nk, d, causal, window):
+    """The TMA-descriptor path (GPU default) and the pointer path (interpreter default), forced each way."""
+    from tilefuse.kernels.attention import launch_attention
+
+    q, k, v = _qkv(1, 4, 2, Nq, Nk, d, device, dtype)
+    ro, rl = ref.attention(*_f64(q, k, v), causal=causal, window=window, return_lse=True)
+    left, right = window if window else (-1, -1)
+    for use_desc in (False, True):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((1, 4, Nq), float("nan"), device=device)
+        launch_attention(q, k, v, out, lse, None, scale=d ** -0.5, pos_offset=Nk - Nq, window_left=left,
+                         window_right=0 if causal else right, input_precision="ieee",
+                         interpret=not ON_GPU, use_desc=use_desc)
+        assert_close((out, lse), (ro, rl), REL_L2_BOUND[dtype], f"use_desc={use_desc}")
+
+
+def test_rows_that_see_no_key_give_zero_and_minus_inf_lse(device):
+    # Bottom-right causal with Nq > Nk: rows i < Nq - Nk sit before key 0 and see nothing.
+    q, k, v = _qkv(1, 2, 1, 30, 9, 16, device)
+    out, lse = attention(q, k, v, causal=True, return_lse=True)
+    empty = slice(0, 21)
+    assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
+    assert torch.isneginf(lse[:, :, empty]).all()
+    ro, rl = ref.attention(*_f64(q, k, v), causal=True, return_lse=True)
+    assert_close((out, lse), (ro, rl), 1e-5, "causal Nq > Nk")
+    # window=(0, 0): row i sees only key i - 21, so the same rows are empty.
+    out, lse = attention(q, k, v, window=(0, 0), return_lse=True)
+    assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
+    assert not out.isnan().any()
+
+
+def test_lse_values_with_large_logits(device):
+    q, k, v = _qkv(1, 2, 2, 33, 47, 64, device)
+    q = q * 100  # scores with std ~ 100: the max subtraction must be exact
+    out, lse = attention(q, k, v, return_lse=True)
+    s = (q.double() @ k.double().transpose(-1, -2)) * 64 ** -0.5
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 33)
+    assert_close(lse, torch.logsumexp(s, -1), 1e-5, "lse x100")
+    assert_close(out, torch.softmax(s, -1) @ v.double(), 1e-5, "out x100")
+
+
+def test_nan_in_q_gives_nan_in_that_row_only(device):
+    q, k, v = _qkv(1, 2, 1, 20, 33, 32, device)
+    q[0, 1, 5, 3] = float("nan")
+    out = attention(q, k, v, causal=True)
+    assert out[0, 1, 5].isnan().all()
+    out[0, 1, 5] = 0
+    assert not out.isnan().any()
+
+
+def test_strided_inputs_bshd_layout(device):
+    """Hugging Face keeps [B, N, H, d] and transposes: a non-contiguous view must work without copies."""
+    q = _rand(2, 37, 4, 48, device=device).transpose(1, 2)
+    k = _rand(2, 50, 2, 48, device=device, seed=1).transpose(1, 2)
+    v = _rand(2, 50, 2, 48, device=device, seed=2).transpose(1, 2)
+    out = attention(q, k, v, causal=True, scale=0.3)
+    assert_close(out, ref.attention(*_f64(q, k, v), causal=True, scale=0.3), 1e-5, "bshd")
+
+
+def test_deterministic_is_recorded(device):
+    q, k, v = _qkv(1, 1, 1, 5, 5, 16, device)
+    attention(q, k, v, deterministic=True)
+    assert last_config["deterministic"] is True
+
+
+def test_attention_equals_sdpa_when_square(device):
+    q, k, v = _qkv(1, 4, 2, 65, 65, 32, device)
+    a = attention(q, k, v, causal=True)
+    b = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert_close(a, b.double(), 1e-6, "attention vs sdpa")
+
+
+# ---- torch parity for the SDPA surface (torch's own float64 CPU implementation) -----------------
+def _torch_sdpa(*args, **kw):
+    out_dev = args[0].device
+    cpu = [a.detach().double().cpu() if isinstance(a, torch.Tensor) and a.is_floating_point() else
+           (a.cpu() if isinstance(a, torch.Tensor) else a) for a in args]
+    kw = {k: (v.cpu().double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+              else v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    return F.scaled_dot_product_attention(*cpu, **kw).to(out_dev)
+
+
+@pytest.mark.parametrize("case", ["bool_empty_rows", "hf_finite_min", "causal_L_gt_S", "causal_L_lt_S",
+                                  "bcast_5d", "2d", "mask_bcast_heads"])
+def test_sdpa_matches_torch(device, case):
+    L, S = (40, 23) if case == "causal_L_gt_S" else (23, 40)
+    q, k, v = _qkv(2, 2, 2, L, S, 32, device)
+    kw = {}
+    if case == "bool_empty_rows":
+        m = _rand(2, 1, L, S, device=device, seed=7) > 0
+        m[:, :, 4] = False  # torch (math backend since 2.5): a fully masked row gives 0
+        kw["attn_mask"] = m
+    elif case == "hf_finite_min":
+        m = torch.zeros(2, 1, 1, S, device=device)
+        m[1] = torch.finfo(FP32).min  # a fully padded sequence: uniform average, as torch gives
+        m[0, ..., S // 2:] = torch.finfo(FP32).min
+        kw["attn_mask"] = m
+    elif case.startswith("causal"):
+        kw["is_causal"] = True
+    elif case == "bcast_5d":
+        q = _rand(2, 3, 2, L, 32, device=device)
+        k, v = k[:1, None].expand(1, 3, 2, S, 32), v[:1, None]
+    elif case == "2d":
+        q, k, v = q[0, 0], k[0, 0], v[0, 0]
+    elif case == "mask_bcast_heads":
+        kw["attn_mask"] = _rand(L, S, device=device, seed=9)
+    out = scaled_dot_product_attention(q, k, v, **kw)
+    expect = _torch_sdpa(q, k, v, **kw)
+    assert out.shape == expect.shape
+    assert_close(out, expect, 1e-5, case)
+    assert_close(ref.scaled_dot_product_attention(*_f64(q, k, v), **{
+        kk: (vv.double() if isinstance(vv, torch.Tensor) and vv.is_floating_point() else vv)
+        for kk, vv in kw.items()}), expect, 1e-12, f"reference {case}")
+    if case == "hf_finite_min":
+        assert_close(out[1], v[1].double().mean(-2, keepdim=True).expand(2, L, 32), 1e-5, "uniform row")
+
+
+def test_reference_chunks_match_unchunked(monkeypatch):
+    q, k, v = _qkv(1, 2, 1, 50, 30, 16, "cpu", torch.float64)
+    whole = ref.attention(q, k, v, causal=True, return_lse=True)
+    monkeypatch.setattr(ref, "CHUNK_BYTES", 30 * 8 * 2 * 3 * 7)  # ~7 rows per chunk
+    chunked = ref.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.allclose(whole[0], chunked[0]) and torch.equal(whole[1].isinf(), chunked[1].isinf())
+    m = torch.rand(2, 1, 50, 30) > 0.5
+    assert torch.allclose(ref.scaled_dot_product_attention(q, k.expand(1, 2, 30, 16), v.expand(1, 2, 30, 16), m),
+                          F.scaled_dot_product_attention(q, k.expand(1, 2, 30, 16), v.expand(1, 2, 30, 16), m))
+
+
+# ---- errors -------------------------------------------------------------------------------------
+def _t(*shape, dtype=FP32):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("args,kw,exc,match", [
+    ((_t(1, 3, 4, 16), _t(1, 2, 4, 16), _t(1, 2, 4, 16)), {}, ValueError, "multiple of k/v heads"),
+    ((_t(1, 2, 4, 16), _t(1, 2, 4, 32), _t(1, 2, 4, 32)), {}, ValueError, "head dim"),
+    ((_t(1, 1, 4, 300), _t(1, 1, 4, 300), _t(1, 1, 4, 300)), {}, ValueError, "head dim must be in"),
+    ((_t(2, 4, 16), _t(2, 4, 16), _t(2, 4, 16)), {}, ValueError, "4-D"),
+    ((_t(1, 1, 4, 16), _t(1, 1, 5, 16), _t(1, 1, 4, 16)), {}, ValueError, "v must have k's shape"),
+    ((_t(2, 1, 4, 16), _t(1, 1, 4, 16), _t(1, 1, 4, 16)), {}, ValueError, "batch"),
+    ((_t(1, 1, 4, 16),) * 3, {"window": (3,)}, ValueError, "window"),
+    ((_t(1, 1, 4, 16),) * 3, {"window": (-2, 0)}, ValueError, "window"),
+    ((_t(1, 1, 4, 16),) * 3, {"scale": float("nan")}, ValueError, "scale"),
+    ((_t(1, 1, 4, 16), _t(1, 1, 4, 16, dtype=FP16), _t(1, 1, 4, 16)), {}, TypeError, "k has dtype"),
+    ((_t(1, 1, 4, 16, dtype=torch.float64),) * 3, {}, TypeError, "q has dtype float64"),
+    ((_t(1, 1, 4, 16), torch.empty(1, 1, 4, 16, device="meta"), _t(1, 1, 4, 16)), {}, ValueError, "k is on"),
+])
+def test_attention_bad_input(args, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        attention(*args, **kw)
+
+
+def _sdpa_args(**kw):
+    args = dict(query=_t(2, 4, 4, 16), key=_t(2, 2, 6, 16), value=_t(2, 2, 6, 16), enable_gqa=True)
+    return {**args, **kw}
+
+
+@pytest.mark.parametrize("args,exc,match", [
+    (_sdpa_args(dropout_p=0.1), NotImplementedError, "dropout"),
+    (_sdpa_args(attn_mask=torch.ones(5, 7, dtype=torch.bool)), ValueError, "attn_mask of shape"),
+    (_sdpa_args(attn_mask=torch.ones(4, 6, dtype=torch.int32)), TypeError, "attn_mask has dtype"),
+    (_sdpa_args(value=_t(2, 2, 6, 8)), NotImplementedError, "value head dim"),
+    (_sdpa_args(key=_t(2, 3, 6, 16), value=_t(2, 3, 6, 16)), ValueError, "enable_gqa"),
+    (_sdpa_args(key=_t(3, 4, 6, 16), value=_t(3, 4, 6, 16), enable_gqa=False), ValueError, "do not broadcast"),
+    (_sdpa_args(enable_gqa=False), ValueError, "do not broadcast"),
+    (_sdpa_args(key=_t(2, 2, 6, 16, dtype=BF16)), TypeError, "key has dtype"),
+])
+def test_sdpa_bad_input(args, exc, match):
+    with pytest.raises(exc, match=match):
+        scaled_dot_product_attention(**args)
+
+
+def test_grad_required_is_refused():
+    q = _t(1, 1, 4, 16).requires_grad_()
+    with pytest.raises(NotImplementedError, match="no backward"):
+        attention(q, _t(1, 1, 4, 16), _t(1, 1, 4, 16))
+    with torch.no_grad():
+        attention(q, _t(1, 1, 4, 16), _t(1, 1, 4, 16))
+
+
+# ---- GPU only -----------------------------------------------------------------------------------
+@pytest.mark.gpu_only
+def test_no_allocation_grows_with_n_squared():
+    B, H, N, d = 1, 8, 32768, 128
+    q, k, v = _qkv(B, H, H, N, N, d, "cuda", BF16)
+    attention(q, k, v, causal=True)  # compile / autotune outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, lse = attention(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    expected = out.numel() * out.element_size() + lse.numel() * 4
+    # One [N, N] fp32 score tile of a single head would already be 4 GiB.
+    assert extra <= expected + (16 << 20), f"peak grew by {extra / 2**20:.1f} MiB, expected ~{expected / 2**20:.1f}"
+
+
+@pytest.mark.gpu_only
+def test_gpu_window_long_sequence():
+    q, k, v = _qkv(1, 4, 2, 8192, 8192, 128, "cuda", BF16)
+    out = attention(q, k, v, causal=True, window=(1023, 0))
+    assert_close(out, ref.attention(*_f64(q, k, v), causal=True, window=(1023, 0)), 1e-2, "sliding 1024")
