@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import tilefuse
 from helpers import assert_close
-from tilefuse.registry import REL_L2_BOUND
+from tilefuse.opspec import REL_L2_BOUND
 from tilefuse.reference import norms as reference
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -4,8 +4,10 @@ Fusion wins because these layers are limited by bytes moved through HBM, not ari
 kernel keeps intermediates on chip instead of writing them out and reading them back.
 """
 from tilefuse.ops.linear import linear
+from tilefuse.ops.attention import attention, scaled_dot_product_attention
 from tilefuse.ops.norms import layer_norm, layer_norm_linear, rms_norm
+from tilefuse.ops.softmax import softmax
 
 __version__ = "0.1.0"
 
-__all__ = ["linear", "__version__", "layer_norm", "rms_norm", "layer_norm_linear"]
+__all__ = ["linear", "attention", "scaled_dot_product_attention", "__version__", "layer_norm", "rms_norm", "layer_norm_linear", "softmax"]

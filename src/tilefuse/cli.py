@@ -18,8 +18,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="fewer benchmark rows (the first two per op)")
     r.add_argument("--seeds", type=int, default=None, help="seeds per accuracy case (default 20 on GPU, 3 on CPU)")
     r.add_argument("--out", default="report", help="output folder (default: ./report)")
-    r.add_argument("--anchors", nargs="+", metavar="NAME",
-                   help="run only the anchors with these exact names (eager unfused always runs)")
+    r.add_argument("--anchors", nargs="+", metavar="REGEX",
+                   help="run only anchors whose whole name matches one of these regexes (eager unfused always runs)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     sub.add_parser("info", help="versions, device, and which execution path runs")
     return p

@@ -6,7 +6,28 @@ per program, not per element.
 """
 from __future__ import annotations
 
+import os
+
 import triton
+
+def autotune_enabled() -> bool:
+    """``TILEFUSE_AUTOTUNE=0`` pins each kernel to its first (pruned) config: the GPU test run uses it so
+    hundreds of small test shapes do not each benchmark a config space. Read once, at import."""
+    return os.environ.get("TILEFUSE_AUTOTUNE", "1") != "0"
+
+
+def autotune(configs, key, prune_configs_by=None, **kwargs):
+    """``triton.autotune`` for every tilefuse kernel, honouring ``TILEFUSE_AUTOTUNE=0``."""
+    if not autotune_enabled():
+        inner = (prune_configs_by or {}).get("early_config_prune")
+        if inner is None:
+            configs, prune_configs_by = configs[:1], None
+        else:
+            def first_only(cfgs, named_args, **kw):
+                return list(inner(cfgs, named_args, **kw))[:1]
+            prune_configs_by = {**prune_configs_by, "early_config_prune": first_only}
+    return triton.autotune(configs=configs, key=key, prune_configs_by=prune_configs_by, **kwargs)
+
 
 INTERPRETER_GEMM = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
 

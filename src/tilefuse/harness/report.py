@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_f
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
         for name, fn in spec.anchors(params).items():
-            if anchor_filter and name not in anchor_filter:
+            if anchor_filter and not any(re.fullmatch(f, name) for f in anchor_filter):
                 continue
             timings[name] = _safe_bench(lambda fn=fn: fn(**inputs))
     ms = row["ms"]

@@ -15,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from tilefuse import tuning
+
 LOG2E = 1.4426950408889634
 # A finite additive mask below this would overflow to -inf once multiplied by log2(e); clamping keeps
 # Hugging Face's finfo.min padding finite (a fully masked row then averages uniformly, as torch does).
-MASK_FLOOR = -2.3e38
+MASK_FLOOR = tl.constexpr(-2.3e38)
 
 
 @triton.jit
@@ -65,8 +67,6 @@ def _attend_stage(
 
         # ---- scores in the log2 domain ------------------------------------------------------
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        may_be_empty: tl.constexpr = APPLY_BOUNDS or HAS_MASK
-        visible = None
         if APPLY_BOUNDS:
             key_pos = offs_n[None, :]
             visible = key_pos < N_K
@@ -74,22 +74,20 @@ def _attend_stage(
                 visible = visible & (key_pos >= pos_m[:, None] - window_left)
             if HAS_RIGHT:
                 visible = visible & (key_pos <= pos_m[:, None] + window_right)
+            s = tl.where(visible, s, float("-inf"))
         if HAS_MASK:
             tile_mask = mask_m[:, None] & (offs_n < N_K)[None, :]
             mvals = tl.load(mask_ptrs + offs_n[None, :] * stride_maskn, mask=tile_mask, other=0)
             if MASK_IS_BOOL:
-                allowed = mvals != 0
-                visible = allowed if visible is None else visible & allowed
+                s = tl.where(mvals != 0, s, float("-inf"))
             else:
                 mvals = mvals.to(tl.float32)
                 bias = tl.maximum(mvals, MASK_FLOOR) * 1.4426950408889634
                 s = s + tl.where(mvals == float("-inf"), float("-inf"), bias)
-        if visible is not None:
-            s = tl.where(visible, s, float("-inf"))
 
         # ---- online softmax: the one place m_i, l_i, acc change -----------------------------
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if may_be_empty:
+        if APPLY_BOUNDS or HAS_MASK:
             # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -106,7 +104,10 @@ def _attend_stage(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Sizes and positions are never specialised to the constant 1, so the scalar arithmetic below keeps
+# one type (a tensor) whatever the shapes are.
+@triton.jit(do_not_specialize=["B", "H_Q", "N_Q", "N_K", "HEAD_DIM", "H_KV", "pos_offset",
+                               "window_left", "window_right"])
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -158,9 +159,11 @@ def attention_fwd_kernel(
     lo_tile = (lo // BLOCK_N) * BLOCK_N
     full_start = (full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     full_end = (full_hi // BLOCK_N) * BLOCK_N
-    if full_end <= full_start:  # no tile is seen whole by every row: all tiles take the masked path
-        full_start = lo_tile
-        full_end = lo_tile
+    # No tile seen whole by every row: all tiles take the masked path. (tl.where, not a runtime `if`,
+    # so the scalars keep one type whichever flags are set.)
+    no_full = full_end <= full_start
+    full_start = tl.where(no_full, lo_tile, full_start)
+    full_end = tl.where(no_full, lo_tile, full_end)
 
     # ---- base addresses (64-bit: B*H*N*d can pass 2**31) ----------------------------------------
     q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -195,24 +198,23 @@ def attention_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)                # running sum of exp2(s - m_i)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)        # running sum of p @ v
 
-    stage_args = (b, h_kv, offs_m, pos_m, offs_d, mask_m, mask_d)
     # Stage 1: tiles the window's left edge cuts (masked).
     acc, l_i, m_i = _attend_stage(
-        acc, l_i, m_i, q, k_src, v_src, mask_ptrs, *stage_args,
+        acc, l_i, m_i, q, k_src, v_src, mask_ptrs, b, h_kv, offs_m, pos_m, offs_d, mask_m, mask_d,
         lo_tile, full_start, N_K, window_left, window_right, qk_scale,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_maskn,
         True, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, EVEN_D, USE_DESC,
         INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_D)
     # Stage 2: tiles every row of the block sees whole (no window or bounds masking).
     acc, l_i, m_i = _attend_stage(
-        acc, l_i, m_i, q, k_src, v_src, mask_ptrs, *stage_args,
+        acc, l_i, m_i, q, k_src, v_src, mask_ptrs, b, h_kv, offs_m, pos_m, offs_d, mask_m, mask_d,
         full_start, full_end, N_K, window_left, window_right, qk_scale,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_maskn,
         False, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, EVEN_D, USE_DESC,
         INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_D)
     # Stage 3: the causal diagonal / right window edge and the ragged last tile (masked).
     acc, l_i, m_i = _attend_stage(
-        acc, l_i, m_i, q, k_src, v_src, mask_ptrs, *stage_args,
+        acc, l_i, m_i, q, k_src, v_src, mask_ptrs, b, h_kv, offs_m, pos_m, offs_d, mask_m, mask_d,
         full_end, hi, N_K, window_left, window_right, qk_scale,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_maskn,
         True, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, EVEN_D, USE_DESC,
@@ -278,7 +280,7 @@ def _prune(configs, named_args, **kwargs):
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
-attention_fwd_autotuned = triton.autotune(
+attention_fwd_autotuned = tuning.autotune(
     configs=GPU_CONFIGS,
     key=["Q_BUCKET", "K_BUCKET", "BLOCK_D", "HAS_LEFT", "HAS_RIGHT", "HAS_MASK", "MASK_IS_BOOL",
          "USE_DESC", "INPUT_PRECISION"],

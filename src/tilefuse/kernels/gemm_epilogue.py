@@ -83,7 +83,7 @@ def linear_epilogue_kernel(
 
 # GPU path: the same kernel behind a small autotune space, keyed on the row-count bucket rather than M
 # itself so that a new batch size reuses the tuned tile.
-linear_epilogue_autotuned = triton.autotune(
+linear_epilogue_autotuned = tuning.autotune(
     configs=tuning.PORTABLE_GEMM_CONFIGS,
     key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION"],
 )(linear_epilogue_kernel)

@@ -75,19 +75,29 @@ def linear_tma_kernel(
             w_tile = w_desc.load([off_n, off_k])
             acc = tl.dot(x_tile, w_tile.T, acc)
 
-        # Epilogue on the fp32 accumulator; the pre-activation never leaves the SM.
-        if HAS_BIAS:
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            acc = acc + bias[None, :]
-        acc = apply_activation(acc, ACTIVATION)
+        # Epilogue on the fp32 accumulator; the pre-activation never leaves the SM. With subtiling the
+        # bias and activation run on one N-half at a time, which halves the live temporaries of the
+        # activation (the 128x256 tile otherwise spills).
         if EPILOGUE_SUBTILE:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             acc_lo, acc_hi = tl.split(halves)
+            acc_lo = _bias_activation(acc_lo, b_ptr, off_n, N, HAS_BIAS, ACTIVATION, BLOCK_N // 2)
             y_desc.store([off_m, off_n], acc_lo.to(out_dtype))
+            acc_hi = _bias_activation(acc_hi, b_ptr, off_n + BLOCK_N // 2, N, HAS_BIAS, ACTIVATION, BLOCK_N // 2)
             y_desc.store([off_m, off_n + BLOCK_N // 2], acc_hi.to(out_dtype))
         else:
+            acc = _bias_activation(acc, b_ptr, off_n, N, HAS_BIAS, ACTIVATION, BLOCK_N)
             y_desc.store([off_m, off_n], acc.to(out_dtype))
+
+
+@triton.jit
+def _bias_activation(acc, b_ptr, off_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                     WIDTH: tl.constexpr):
+    if HAS_BIAS:
+        offs_n = off_n + tl.arange(0, WIDTH)
+        bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    return apply_activation(acc, ACTIVATION)
 
 
 def _tma_config(bm, bn, bk, stages, warps, subtile=True, ws=False, group=8):
@@ -117,7 +127,7 @@ def _ensure_allocator():
         _allocator_set = True
 
 
-linear_tma_autotuned = triton.autotune(
+linear_tma_autotuned = tuning.autotune(
     configs=[_tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS],
     key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION"],
 )(linear_tma_kernel)

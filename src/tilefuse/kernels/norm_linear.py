@@ -82,7 +82,7 @@ def norm_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-norm_linear_autotuned = triton.autotune(
+norm_linear_autotuned = tuning.autotune(
     configs=tuning.PORTABLE_GEMM_CONFIGS,
     key=["M_BUCKET", "N", "K", "IS_RMS", "HAS_GAMMA", "HAS_BETA", "HAS_BIAS", "ACTIVATION",
          "INPUT_PRECISION"],

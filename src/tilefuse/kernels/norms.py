@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tilefuse import tuning
+
 # Chunk caps. On the GPU a 16K-element chunk keeps <= 32 fp32 values per thread at 16 warps; under the
 # interpreter the cap is tiny so that a 300-long test row already takes the chunked path.
 GPU_MAX_BLOCK_N = 16384
@@ -300,7 +302,7 @@ def _prune_fwd(configs, named_args, **kwargs):
     return keep or [triton.Config(dict(BLOCK_M=1, PROGRAMS_PER_SM=64), num_warps=_warps_for(block_n))]
 
 
-norm_fwd_autotuned = triton.autotune(
+norm_fwd_autotuned = tuning.autotune(
     configs=_fwd_configs(),
     key=["N", "M_BUCKET", "IS_RMS", "HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "STORE_Y"],
     prune_configs_by={"early_config_prune": _prune_fwd},
@@ -374,7 +376,8 @@ def launch_norm_bwd(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_d
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     else:
         num_chunks = triton.cdiv(N, block_n)
-        block_m = 1
+        # GPU: one row per tile, a chunk is already 16K elements. Interpreter: many rows per program.
+        block_m = max(1, INTERPRETER_TILE_ELEMS // block_n) if interpret else 1
         warps = 4 if interpret else _warps_for(block_n)
         row_tiles = triton.cdiv(M, block_m)
         if interpret:

@@ -171,7 +171,7 @@ def softmax_fwd_kernel(
     N, R_INNER,
     stride_xo, stride_xi, stride_xn,
     stride_yo, stride_yi, stride_yn,
-    KEY_N, KEY_R,  # autotune keys only: power-of-two buckets of N and of the row count
+    KEY_N, KEY_R,  # autotune keys only: power-of-two buckets of N and of R_INNER
     ALGORITHM: tl.constexpr, SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -402,15 +402,15 @@ def _prune_block(configs, named_args, **kwargs):
 _LOOP_CONFIGS = [triton.Config({"BLOCK_M": 1, "BLOCK_N": bn}, num_warps=_warps(bn))
                  for bn in (2048, 4096, 8192)]
 
-softmax_fwd_block_tuned = triton.autotune(
+softmax_fwd_block_tuned = tuning.autotune(
     configs=_block_config_space(), key=["KEY_N", "KEY_R", "WIDE"],
     prune_configs_by={"early_config_prune": _prune_block})(softmax_fwd_kernel)
-softmax_fwd_loop_tuned = triton.autotune(
+softmax_fwd_loop_tuned = tuning.autotune(
     configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "ALGORITHM", "WIDE"])(softmax_fwd_kernel)
-softmax_bwd_block_tuned = triton.autotune(
+softmax_bwd_block_tuned = tuning.autotune(
     configs=_block_config_space(), key=["KEY_N", "KEY_R", "WIDE"],
     prune_configs_by={"early_config_prune": _prune_block})(softmax_bwd_kernel)
-softmax_bwd_loop_tuned = triton.autotune(
+softmax_bwd_loop_tuned = tuning.autotune(
     configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "WIDE"])(softmax_bwd_kernel)
 
 # When False, the GPU runs the heuristic plan as is (no autotune): a switch for quick GPU checks.
@@ -469,7 +469,7 @@ def launch_softmax_forward(x, y, layout: RowLayout, algorithm: str, interpret: b
     # One tile per row: both algorithms are the same single read, so compile one variant.
     kernel_algorithm = "online" if p.mode == "block" else algorithm
     n_outer = R // r_inner
-    args = (x, y, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(R))
+    args = (x, y, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(r_inner))
     common = dict(ALGORITHM=kernel_algorithm, SINGLE_BLOCK=p.mode == "block", WIDE=wide)
     return _launch_rows(softmax_fwd_kernel, softmax_fwd_block_tuned, softmax_fwd_loop_tuned,
                         p, args, common, n_outer, r_inner, algorithm)
@@ -493,7 +493,7 @@ def launch_softmax_backward(y, dy, dx, layout: RowLayout, interpret: bool) -> st
                                              num_warps=p.num_warps)
         return f"backward {p.describe()}"
     n_outer = R // r_inner
-    args = (y, dy, dx, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(R))
+    args = (y, dy, dx, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(r_inner))
     common = dict(SINGLE_BLOCK=p.mode == "block", WIDE=wide)
     return _launch_rows(softmax_bwd_kernel, softmax_bwd_block_tuned, softmax_bwd_loop_tuned,
                         p, args, common, n_outer, r_inner, "backward")

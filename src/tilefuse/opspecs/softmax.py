@@ -5,7 +5,7 @@ import torch
 
 from tilefuse.ops import softmax as softmax_op
 from tilefuse.reference.softmax import softmax as reference_softmax
-from tilefuse.registry import OpSpec
+from tilefuse.opspec import OpSpec
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -182,7 +182,8 @@ SOFTMAX_BACKWARD = OpSpec(
     gpu_test_grid={"shape": GPU_SHAPES, "layout": ["rows", "dim0", "sliced", "3d_permuted"]},
     bench_cases=[dict(shape=s, dtype=BF16) for s in BENCH_SHAPES],
     accuracy_cases={
-        "cpu": [dict(shape=(33, 70), dtype=d) for d in (FP32, FP16, BF16)] + [dict(shape=(2, 333), dtype=FP32)],
+        "cpu": [dict(shape=(33, 70), dtype=d) for d in (FP32, FP16, BF16)]
+               + [dict(shape=(2, 333), dtype=FP32)],
         "gpu": [dict(shape=(1000, 4096), dtype=d) for d in (FP32, FP16, BF16)]
                + [dict(shape=(64, 131072), dtype=BF16), dict(shape=(2, 1048576), dtype=FP32)],
     },
