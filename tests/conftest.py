@@ -32,3 +32,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu_only" in item.keywords:
             item.add_marker(skip)
+
+
+_FAIL_LOG = os.environ.get("TILEFUSE_FAIL_LOG")
+
+
+def pytest_runtest_logreport(report):
+    """With TILEFUSE_FAIL_LOG set, append each failure as it happens (test id + the error's last lines):
+    a GPU run cut off by its time limit still says what failed and why."""
+    if _FAIL_LOG and report.failed:
+        text = report.longreprtext.strip().splitlines()
+        with open(_FAIL_LOG, "a") as f:
+            f.write(f"FAILED {report.nodeid} [{report.when}]\n  " + "\n  ".join(text[-6:]) + "\n")
