@@ -33,7 +33,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   # Tests pin each kernel to its first config (TILEFUSE_AUTOTUNE=0): hundreds of small shapes must not
   # each benchmark a config space. The tuned configs are exercised, with an accuracy check per row, by
   # the report below.
-  TILEFUSE_FAIL_LOG="$OUT/failures.log" TILEFUSE_AUTOTUNE=0 timeout "${TESTS_LIMIT:-$(( $(left) / 2 ))}" python3 -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider tests ${K_EXPR:+-k "$K_EXPR"} \
+  TILEFUSE_FAIL_LOG="$OUT/failures.log" TILEFUSE_AUTOTUNE=0 timeout "${TESTS_LIMIT:-$(( $(left) / 2 ))}" python3 -m pytest -q -n "${WORKERS:-12}" --dist loadgroup -p no:cacheprovider tests ${K_EXPR:+-k "$K_EXPR"} \
     --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
   echo "tests exit: $?" >> "$OUT/tests.log"
   tail -3 "$OUT/tests.log"

@@ -35,12 +35,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 _FAIL_LOG = os.environ.get("TILEFUSE_FAIL_LOG")
+_IS_XDIST_WORKER = False
+
+
+def pytest_configure(config):
+    global _IS_XDIST_WORKER
+    _IS_XDIST_WORKER = hasattr(config, "workerinput")  # the controller writes the log, once per failure
 
 
 def pytest_runtest_logreport(report):
     """With TILEFUSE_FAIL_LOG set, append each failure as it happens (test id + the error's last lines):
     a GPU run cut off by its time limit still says what failed and why."""
-    if _FAIL_LOG and report.failed:
+    if _FAIL_LOG and report.failed and not _IS_XDIST_WORKER:
         text = report.longreprtext.strip().splitlines()
         with open(_FAIL_LOG, "a") as f:
             f.write(f"FAILED {report.nodeid} [{report.when}]\n  " + "\n  ".join(text[-6:]) + "\n")

@@ -7,10 +7,12 @@ import pytest
 from helpers import ON_GPU, check_against_reference
 from tilefuse import registry
 
-CASES = [(spec, params) for spec in registry.REGISTRY.values() for params in spec.test_params(ON_GPU)]
+CASES = [pytest.param(spec, params, id=f"{spec.name}-{spec.label(params)}-{params}",
+                      marks=pytest.mark.xdist_group(f"{spec.name}-{spec.compile_group(params)}"))
+         for spec in registry.REGISTRY.values() for params in spec.test_params(ON_GPU)]
 
 
-@pytest.mark.parametrize("spec,params", CASES, ids=[f"{s.name}-{s.label(p)}-{p}" for s, p in CASES])
+@pytest.mark.parametrize("spec,params", CASES)
 def test_matches_float64_reference(spec, params, device):
     check_against_reference(spec, params, device, seed=len(spec.label(params)))
 

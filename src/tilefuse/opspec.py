@@ -59,6 +59,12 @@ class OpSpec:
     tolerance: Callable[[dict], float] = lambda params: default_tolerance(params["dtype"])
     label: Callable[[dict], str] = lambda params: " ".join(
         f"{k}={dtype_name(v) if isinstance(v, torch.dtype) else v}" for k, v in params.items())
+    # Test runs on a GPU spread tests over processes; cases with the same compile group go to the same
+    # process (pytest-xdist loadgroup) so each kernel variant compiles once, not once per process.
+    # Default: the dtype plus every option that is a str, bool or None (these usually select constexprs).
+    compile_group: Callable[[dict], str] = lambda params: "-".join(
+        dtype_name(v) if isinstance(v, torch.dtype) else f"{k}={v}" for k, v in params.items()
+        if isinstance(v, (torch.dtype, str, bool)) or v is None)
     extra: dict = field(default_factory=dict)
 
     def test_params(self, on_gpu: bool) -> list[dict]:

@@ -163,19 +163,20 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
             progress.update(task, description=f"{spec.name}: accuracy")
             entry = {"summary": spec.summary, "bound": spec.bound,
                      "accuracy": accuracy_for_op(spec, seeds, progress, task), "speed": []}
+            result["ops"][spec.name] = entry
+            _write(result, out)
             for params in bench_plan[spec.name]:
                 progress.update(task, description=f"{spec.name}: {spec.label(params)}")
                 if on_gpu:
                     entry["speed"].append(speed_for_case(spec, params, result["ceilings"], anchor_filter))
                     progress.advance(task)
+                    _write(result, out)  # after every row, so a run cut short still leaves its results
                 else:  # the byte model still holds; times do not
                     entry["speed"].append({"case": spec.label(params),
                                            "dtype": registry.dtype_name(params["dtype"]),
                                            "flops": spec.flops(params), "hbm_bytes": spec.hbm_bytes(params),
                                            "ms": None})
-            result["ops"][spec.name] = entry
             entry["plots"] = plots.write_op_plots(spec.name, entry, out)
-            _write(result, out)  # after every op, so a run cut short still leaves its results
     _write(result, out)
     return result
 

@@ -187,6 +187,8 @@ ATTENTION = OpSpec(
     bound="compute",
     anchors=_anchors,
     config_used=_config_used,
+    # Head dim, dtype and the causal/window mode select the compiled variant.
+    compile_group=lambda p: f"{p['dtype']}-d{p['d']}-{p['mode']}",
     label=_label,
 )
 

@@ -125,6 +125,8 @@ LINEAR = OpSpec(
     bound="compute",
     anchors=_anchors,
     config_used=_config_used,
+    # Layouts reuse the same compiled kernels; only dtype, activation and bias select constexprs.
+    compile_group=lambda p: f"{p['dtype']}-{p.get('activation')}-{p.get('bias', True)}",
     label=lambda p: (f"M{p['shape'][0]} K{p['shape'][1]} N{p['shape'][2]} "
                      f"{p.get('activation') or 'none'}{'' if p.get('bias', True) else ' nobias'}"),
 )
