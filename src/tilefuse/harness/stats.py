@@ -51,6 +51,12 @@ def error_stats(out, ref) -> ErrorStats:
 
 
 def to_float64(inputs: dict) -> dict:
-    """Float tensors to float64 (same device); everything else as is. For the accuracy reference."""
-    return {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-            for k, v in inputs.items()}
+    """Float tensors (also inside tuples/lists) to float64 on the same device; everything else as is.
+    For the accuracy reference."""
+    def convert(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.detach().to(torch.float64)
+        if isinstance(v, (tuple, list)):
+            return type(v)(convert(t) for t in v)
+        return v
+    return {k: convert(v) for k, v in inputs.items()}

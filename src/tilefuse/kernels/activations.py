@@ -7,7 +7,7 @@ is written so that NaN falls through to ``x``). ``tanh`` is written through ``si
 import triton
 import triton.language as tl
 
-from tilefuse.constants import ACTIVATIONS  # noqa: F401  (the names the helpers below implement)
+from tilefuse.constants import ACTIVATIONS, GATED_ACTIVATIONS  # noqa: F401  (names implemented below)
 
 # Globals read inside @triton.jit must be tl.constexpr (the compiler refuses plain floats; the
 # interpreter does not check, so this is only caught on a GPU).
@@ -97,3 +97,17 @@ def activation_grad(x, ACTIVATION: tl.constexpr):
     else:
         g = tl.full(x.shape, 1.0, tl.float32)
     return g
+
+
+@triton.jit
+def apply_gated(gate, up, ACTIVATION: tl.constexpr):
+    """GLU epilogue on two fp32 tiles: swiglu = silu(gate) * up, geglu = gelu(gate) * up (erf form),
+    geglu_tanh = gelu_tanh(gate) * up."""
+    if ACTIVATION == "swiglu":
+        gate = silu(gate)
+    elif ACTIVATION == "geglu":
+        gate = gelu_erf(gate)
+    else:
+        tl.static_assert(ACTIVATION == "geglu_tanh", "unknown gated activation")
+        gate = gelu_tanh(gate)
+    return gate * up

@@ -1,5 +1,9 @@
 """Tiled GEMM ``y = act(x @ w^T + b)`` with bias and activation applied to the fp32 accumulator.
 
+Gated form (GATED): ``y = act(x @ w^T + b) * (x @ wu^T + bu)`` -- the gate and up GEMMs share every x
+tile and keep two accumulators, so neither [M, N] product reaches HBM: (M*K + 2*N*K + M*N)*s instead of
+eager's (M*K + 2*N*K + 7*M*N)*s (two GEMM outputs, act reads/writes, the product reads two, writes one).
+
 Fuses: GEMM + bias add + activation into one kernel and one store.
 HBM bytes (element size s): unfused eager = GEMM (M*K + N*K + M*N)*s, then bias+act reads and writes
 M*N twice more (``F.linear`` folds the bias, ``F.gelu`` reads y, writes y): (M*K + N*K + 3*M*N)*s.
@@ -16,20 +20,26 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
-from tilefuse.kernels.activations import apply_activation
+from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
 
 
 @triton.jit
 def linear_epilogue_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
+    wu_ptr, bu_ptr,  # gated only: the "up" weight [N, K] and bias (any valid pointer otherwise)
+    ws_ptr,  # split-K only: fp32 partial sums [SPLIT_K, M, N] (then the up partials, if GATED)
     M, N, K,
     M_BUCKET,  # autotune key only: next power of two of M
+    K_SPLIT_LEN,  # K elements per split (a multiple of BLOCK_K); K when SPLIT_K == 1
     M_INNER,  # x row m lives at (m // M_INNER) * stride_xo + (m % M_INNER) * stride_xm
     stride_xo, stride_xm, stride_xk,
     stride_wn, stride_wk,
+    stride_wun, stride_wuk,
     stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    SPLIT_K: tl.constexpr,          # > 1: program_id(1) sums one K slice and stores fp32 partials
     INPUT_PRECISION: tl.constexpr,  # "ieee" | "tf32" (fp32 only; ignored for 16-bit operands)
     UPCAST_DOT: tl.constexpr,       # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -49,7 +59,10 @@ def linear_epilogue_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    # Split-K (small M): this program covers K in [k_begin, k_end); the partials meet in a second kernel.
+    k_begin = tl.program_id(1) * K_SPLIT_LEN
+    k_end = tl.minimum(K, k_begin + K_SPLIT_LEN)
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
 
@@ -58,24 +71,44 @@ def linear_epilogue_kernel(
     row_off = (offs_m64 // M_INNER) * stride_xo + (offs_m64 % M_INNER) * stride_xm
     x_ptrs = x_ptr + row_off[:, None] + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    wu_ptrs = wu_ptr + offs_n.to(tl.int64)[None, :] * stride_wun + offs_k[:, None] * stride_wuk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = (k0 + offs_k) < K
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # unused (and removed) unless GATED
+    for k0 in range(0, k_end - k_begin, BLOCK_K):
+        mask_k = (k0 + offs_k) < k_end
         x_tile = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w_tile = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if UPCAST_DOT:
             x_tile = x_tile.to(tl.float32)
             w_tile = w_tile.to(tl.float32)
         acc = tl.dot(x_tile, w_tile, acc, input_precision=INPUT_PRECISION)
+        if GATED:
+            wu_tile = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if UPCAST_DOT:
+                wu_tile = wu_tile.to(tl.float32)
+            acc_up = tl.dot(x_tile, wu_tile, acc_up, input_precision=INPUT_PRECISION)
+            wu_ptrs += BLOCK_K * stride_wuk
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    # Epilogue on the fp32 accumulator: nothing below touches HBM except the bias vector and the store.
+    if SPLIT_K > 1:
+        ws_ptrs = ws_ptr + tl.program_id(1) * M * N + offs_m64[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+        if GATED:
+            tl.store(ws_ptrs + SPLIT_K * M * N, acc_up, mask=mask_m[:, None] & mask_n[None, :])
+        return
+
+    # Epilogue on the fp32 accumulator(s): nothing below touches HBM except the bias vectors and the store.
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
-    acc = apply_activation(acc, ACTIVATION)
+        if GATED:
+            acc_up = acc_up + tl.load(bu_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = apply_gated(acc, acc_up, ACTIVATION)
+    else:
+        acc = apply_activation(acc, ACTIVATION)
 
     y_ptrs = y_ptr + offs_m64[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -83,31 +116,121 @@ def linear_epilogue_kernel(
 
 # GPU path: the same kernel behind a small autotune space, keyed on the row-count bucket rather than M
 # itself so that a new batch size reuses the tuned tile.
+@triton.jit
+def splitk_epilogue_kernel(
+    ws_ptr, b_ptr, bu_ptr, y_ptr, M, N,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Second half of split-K: sum the fp32 partials in a fixed order (deterministic), then bias and
+    activation, one store. Extra traffic 2 * SPLIT_K * M * N * 4 bytes (x2 gated): small for small M."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+        if GATED:
+            acc_up += tl.load(ws_ptr + (SPLIT_K + s) * M * N + offs, mask=mask, other=0.0)
+    offs_n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            acc_up += tl.load(bu_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        acc = apply_gated(acc, acc_up, ACTIVATION)
+    else:
+        acc = apply_activation(acc, ACTIVATION)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def prune_gated_configs(configs, named_args, **kwargs):
+    """Gated epilogues keep two fp32 accumulators: drop tiles above 128x128 outputs (a 128x256 tile
+    would need all 255 registers per thread for the accumulators alone)."""
+    if kwargs.get("GATED"):
+        return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or configs[-1:]
+    return configs
+
+
 linear_epilogue_autotuned = tuning.autotune(
     configs=tuning.PORTABLE_GEMM_CONFIGS,
-    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION"],
+    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K"],
+    prune_configs_by={"early_config_prune": prune_gated_configs},
+)(linear_epilogue_kernel)
+
+# Small M (decode): few output tiles for 132 SMs, so K is split too. Skinny row tiles (tl.dot needs 16
+# rows), narrow column tiles for more programs, long K steps to keep loads in flight.
+# (Kept here until the tuning module's table covers them.)
+SPLIT_K_GEMM_CONFIGS = [
+    triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1), num_warps=4, num_stages=stages)
+    for bm, bn, bk, stages in ((16, 64, 128, 4), (16, 32, 128, 5), (32, 64, 128, 4), (64, 64, 128, 3),
+                               (16, 128, 64, 4))
+]
+SPLIT_K_ALIGN = 128  # the largest BLOCK_K above and in the interpreter config
+
+linear_splitk_autotuned = tuning.autotune(
+    configs=SPLIT_K_GEMM_CONFIGS,
+    key=["M_BUCKET", "N", "K", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K"],
+    prune_configs_by={"early_config_prune": prune_gated_configs},
 )(linear_epilogue_kernel)
 
 
+def split_k_for(M: int, N: int, K: int, num_sms: int) -> int:
+    """How many K slices for a small-M GEMM: enough programs for ~2 waves (with 64-wide column tiles),
+    each slice still >= 512 deep. 1 (no split) above 64 rows, where the M x N tiles fill the GPU."""
+    if M > 64 or K < 1024:
+        return 1
+    tiles = triton.cdiv(M, 64) * triton.cdiv(N, 64)
+    return max(1, min(16, triton.cdiv(2 * num_sms, tiles), K // 512))
+
+
 def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
-                  activation, input_precision, interpret):
-    """Launch on 2-D-addressable operands; returns the config used (a dict or triton.Config)."""
+                  activation, input_precision, interpret, w_up=None, b_up=None, split_k=1):
+    """Launch on 2-D-addressable operands; returns the config used (a dict or triton.Config).
+
+    ``w_up``/``b_up`` are the up-projection of a gated activation (``activation`` in GATED_ACTIVATIONS).
+    """
+    gated = activation in GATED_ACTIVATIONS
+    w_up = w_up if gated else w
     common = dict(
         HAS_BIAS=b is not None,
         ACTIVATION=activation or "none",
+        GATED=gated,
         INPUT_PRECISION=input_precision,
     )
-    args = (x, w, b if b is not None else y, y, M, N, K, tuning.m_bucket(M), m_inner,
-            stride_xo, stride_xm, stride_xk, w.stride(0), w.stride(1), y.stride(0), y.stride(1))
+    ws = y
+    k_split_len = K
+    if split_k > 1:
+        # Slices are whole multiples of the largest BLOCK_K in use, so no K step straddles two slices.
+        k_split_len = triton.cdiv(triton.cdiv(K, split_k), SPLIT_K_ALIGN) * SPLIT_K_ALIGN
+        split_k = triton.cdiv(K, k_split_len)
+        ws = torch.empty(((2 if gated else 1) * split_k, M, N), dtype=torch.float32, device=y.device)
+    common["SPLIT_K"] = split_k
+    args = (x, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y, ws,
+            M, N, K, tuning.m_bucket(M), k_split_len, m_inner,
+            stride_xo, stride_xm, stride_xk, w.stride(0), w.stride(1), w_up.stride(0), w_up.stride(1),
+            y.stride(0), y.stride(1))
     if interpret:
         cfg = tuning.INTERPRETER_GEMM
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         upcast = x.dtype == torch.bfloat16
         linear_epilogue_kernel[grid](*args, **common, UPCAST_DOT=upcast, **cfg)
-        return cfg
+        chosen = cfg
+    else:
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)
 
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        kernel = linear_splitk_autotuned if split_k > 1 else linear_epilogue_autotuned
+        kernel[grid](*args, **common, UPCAST_DOT=False)
+        chosen = kernel.best_config
+    if split_k > 1:
+        block = 1024
+        splitk_epilogue_kernel[(triton.cdiv(M * N, block),)](
+            ws, _or_dummy(b, y), _or_dummy(b_up, y), y, M, N, SPLIT_K=split_k, HAS_BIAS=b is not None,
+            ACTIVATION=common["ACTIVATION"], GATED=gated, BLOCK=block)
+    return chosen
 
-    linear_epilogue_autotuned[grid](*args, **common, UPCAST_DOT=False)
-    return linear_epilogue_autotuned.best_config
+
+def _or_dummy(b, fallback):
+    """A valid pointer for an absent bias (never read: HAS_BIAS is False)."""
+    return b if b is not None else fallback

@@ -1,7 +1,8 @@
 """Hopper GEMM ``y = act(x @ w^T + b)``: tensor descriptors (TMA), persistent grid, fused epilogue.
 
 Fuses: GEMM + bias + activation, as gemm_epilogue.py, with the same HBM bytes: (M*K + N*K + M*N)*s fused
-against (M*K + N*K + 3*M*N)*s for GEMM-then-activation.
+against (M*K + N*K + 3*M*N)*s for GEMM-then-activation; and the gated (GLU) form with two accumulators
+fed by one x tile: (M*K + 2*N*K + M*N)*s against eager's (M*K + 2*N*K + 7*M*N)*s.
 Tiling: one program per SM walks output tiles tile_id = pid, pid + NUM_SMS, ... in grouped order (GROUP_M
 row-tiles per weight column band stay in L2). Operands arrive through TMA into swizzled shared memory and
 feed wgmma; the K loop is software-pipelined NUM_STAGES deep. The epilogue adds the bias, applies the
@@ -18,7 +19,8 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
-from tilefuse.kernels.activations import apply_activation
+from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
+from tilefuse.kernels.gemm_epilogue import prune_gated_configs
 
 
 @triton.jit
@@ -35,11 +37,13 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def linear_tma_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
+    wu_ptr, bu_ptr,  # gated only: the "up" weight [N, K] and bias (any valid pointer otherwise)
     M, N, K,
     M_BUCKET,  # autotune key only
-    stride_xm, stride_wn, stride_ym,
+    stride_xm, stride_wn, stride_wun, stride_ym,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -51,6 +55,8 @@ def linear_tma_kernel(
                                        block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                        block_shape=[BLOCK_N, BLOCK_K])
+    wu_desc = tl.make_tensor_descriptor(wu_ptr, shape=[N, K], strides=[stride_wun, 1],
+                                        block_shape=[BLOCK_N, BLOCK_K])
     if EPILOGUE_SUBTILE:
         y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
                                            block_shape=[BLOCK_M, BLOCK_N // 2])
@@ -69,34 +75,42 @@ def linear_tma_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead (removed) unless GATED
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             x_tile = x_desc.load([off_m, off_k])
             w_tile = w_desc.load([off_n, off_k])
             acc = tl.dot(x_tile, w_tile.T, acc)
+            if GATED:
+                acc_up = tl.dot(x_tile, wu_desc.load([off_n, off_k]).T, acc_up)
 
         # Epilogue on the fp32 accumulator; the pre-activation never leaves the SM. With subtiling the
         # bias and activation run on one N-half at a time, which halves the live temporaries of the
         # activation (the 128x256 tile otherwise spills).
         if EPILOGUE_SUBTILE:
-            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            acc_lo, acc_hi = tl.split(halves)
-            acc_lo = _bias_activation(acc_lo, b_ptr, off_n, N, HAS_BIAS, ACTIVATION, BLOCK_N // 2)
-            y_desc.store([off_m, off_n], acc_lo.to(out_dtype))
-            acc_hi = _bias_activation(acc_hi, b_ptr, off_n + BLOCK_N // 2, N, HAS_BIAS, ACTIVATION, BLOCK_N // 2)
-            y_desc.store([off_m, off_n + BLOCK_N // 2], acc_hi.to(out_dtype))
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            up_lo, up_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            out_lo = _epilogue(acc_lo, up_lo, b_ptr, bu_ptr, off_n, N, HAS_BIAS, ACTIVATION, GATED, BLOCK_N // 2)
+            y_desc.store([off_m, off_n], out_lo.to(out_dtype))
+            out_hi = _epilogue(acc_hi, up_hi, b_ptr, bu_ptr, off_n + BLOCK_N // 2, N, HAS_BIAS, ACTIVATION, GATED,
+                               BLOCK_N // 2)
+            y_desc.store([off_m, off_n + BLOCK_N // 2], out_hi.to(out_dtype))
         else:
-            acc = _bias_activation(acc, b_ptr, off_n, N, HAS_BIAS, ACTIVATION, BLOCK_N)
-            y_desc.store([off_m, off_n], acc.to(out_dtype))
+            out = _epilogue(acc, acc_up, b_ptr, bu_ptr, off_n, N, HAS_BIAS, ACTIVATION, GATED, BLOCK_N)
+            y_desc.store([off_m, off_n], out.to(out_dtype))
 
 
 @triton.jit
-def _bias_activation(acc, b_ptr, off_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                     WIDTH: tl.constexpr):
+def _epilogue(acc, acc_up, b_ptr, bu_ptr, off_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+              GATED: tl.constexpr, WIDTH: tl.constexpr):
+    """Bias + activation (or bias + GLU gate) on a [BLOCK_M, WIDTH] slice of the accumulator(s)."""
+    offs_n = off_n + tl.arange(0, WIDTH)
     if HAS_BIAS:
-        offs_n = off_n + tl.arange(0, WIDTH)
-        bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
+        acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up = acc_up + tl.load(bu_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        return apply_gated(acc, acc_up, ACTIVATION)
     return apply_activation(acc, ACTIVATION)
 
 
@@ -105,18 +119,30 @@ def _tma_config(bm, bn, bk, stages, warps, subtile=True, ws=False, group=8):
                               WARP_SPECIALIZE=ws), num_stages=stages, num_warps=warps)
 
 
-def tma_supported(x2d: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
+def tma_supported(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
     """TMA needs unit inner strides, 16-byte-aligned row strides and base addresses, on sm_90+."""
-    if not (x2d.is_cuda and torch.cuda.get_device_capability(x2d.device)[0] >= 9):
+    if not (x2d.is_cuda and device_facts(x2d.device)[0] >= 9):
         return False
     s = x2d.element_size()
-    for t in (x2d, w, y):
+    for t in (x2d, *others):
         if t.stride(-1) != 1 or (t.stride(0) * s) % 16 or t.data_ptr() % 16:
             return False
     return True
 
 
 _allocator_set = False
+_DEVICE_FACTS: dict = {}
+
+
+def device_facts(device) -> tuple[int, int]:
+    """(major compute capability, SM count), cached: these queries cost microseconds on every call."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _DEVICE_FACTS:
+        props = torch.cuda.get_device_properties(key)
+        _DEVICE_FACTS[key] = (props.major, props.multi_processor_count)
+    return _DEVICE_FACTS[key]
+
+
 
 
 def _ensure_allocator():
@@ -130,18 +156,22 @@ def _ensure_allocator():
 linear_tma_autotuned = tuning.autotune(
     configs=[_tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS],
     key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION"],
+    prune_configs_by={"early_config_prune": prune_gated_configs},
 )(linear_tma_kernel)
 
 
-def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None):
-    """Persistent TMA launch. ``config`` pins one config (benchmarks of variants); None autotunes."""
+def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, b_up=None):
+    """Persistent TMA launch. ``config`` pins one config (benchmarks of variants); None autotunes.
+    ``w_up``/``b_up``: the up-projection of a gated activation."""
     _ensure_allocator()
     M, K = x2d.shape
     N = w.shape[0]
-    num_sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
-    args = (x2d, w, b if b is not None else y, y, M, N, K, tuning.m_bucket(M),
-            x2d.stride(0), w.stride(0), y.stride(0))
-    common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", NUM_SMS=num_sms)
+    num_sms = device_facts(x2d.device)[1]
+    gated = activation in GATED_ACTIVATIONS
+    w_up = w_up if gated else w
+    args = (x2d, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y,
+            M, N, K, tuning.m_bucket(M), x2d.stride(0), w.stride(0), w_up.stride(0), y.stride(0))
+    common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated, NUM_SMS=num_sms)
 
     def grid(meta):
         return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)

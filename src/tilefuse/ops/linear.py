@@ -6,7 +6,7 @@ import math
 import torch
 
 from tilefuse import reference, runtime
-from tilefuse.constants import ACTIVATIONS
+from tilefuse.constants import ACTIVATIONS, GATED_ACTIVATIONS
 from tilefuse.ops._checks import (check_no_grad_needed, check_same_device, check_same_dtype,
                                   check_tensor)
 
@@ -15,29 +15,72 @@ from tilefuse.ops._checks import (check_no_grad_needed, check_same_device, check
 last_config = {"config": None, "path": None, "kernel": None}
 
 
-def _check_linear_args(x, weight, bias, activation):
+def _split_gated(weight, bias, activation):
+    """Gated activations take ``weight`` as a pair (W_gate, W_up) or one [2N, K] tensor cat([W_gate, W_up])
+    (``bias`` likewise a pair or [2N]); returns (w_gate, w_up, b_gate, b_up) as views, never copies."""
+    if isinstance(weight, (tuple, list)):
+        if len(weight) != 2:
+            raise ValueError(f"weight for activation={activation!r} must be a pair (W_gate, W_up) or one "
+                             f"[2N, K] tensor, got a sequence of {len(weight)}")
+        w_gate, w_up = weight
+        check_tensor("weight[0] (W_gate)", w_gate)
+        check_tensor("weight[1] (W_up)", w_up)
+        if w_gate.shape != w_up.shape:
+            raise ValueError(f"W_gate {tuple(w_gate.shape)} and W_up {tuple(w_up.shape)} must have one shape [N, K]")
+    else:
+        check_tensor("weight", weight)
+        if weight.dim() != 2 or weight.shape[0] % 2:
+            raise ValueError(f"weight for activation={activation!r} as one tensor must be [2N, K] "
+                             f"(cat([W_gate, W_up])), got shape {tuple(weight.shape)}")
+        half = weight.shape[0] // 2
+        w_gate, w_up = weight[:half], weight[half:]
+    if bias is None:
+        return w_gate, w_up, None, None
+    if isinstance(bias, (tuple, list)):
+        if len(bias) != 2 or bias[0] is None or bias[1] is None:
+            raise ValueError("bias for a gated activation must be None, a pair (b_gate, b_up) or one [2N] tensor")
+        check_tensor("bias[0] (b_gate)", bias[0])
+        check_tensor("bias[1] (b_up)", bias[1])
+        return w_gate, w_up, bias[0], bias[1]
+    check_tensor("bias", bias)
+    n = w_gate.shape[0] if w_gate.dim() == 2 else -1
+    if bias.dim() != 1 or bias.shape[0] != 2 * n:
+        raise ValueError(f"bias for a gated activation as one tensor must have shape [{2 * n}] (2N), "
+                         f"got {tuple(bias.shape)}")
+    return w_gate, w_up, bias[:n], bias[n:]
+
+
+def _check_linear_args(x, weight, bias, activation, name="weight", bias_name="bias"):
     check_tensor("x", x)
-    check_tensor("weight", weight)
+    check_tensor(name, weight)
     if bias is not None:
-        check_tensor("bias", bias)
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+        check_tensor(bias_name, bias)
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [N, K] (the nn.Linear layout), got shape {tuple(weight.shape)}")
+        raise ValueError(f"{name} must be 2-D [N, K] (the nn.Linear layout), got shape {tuple(weight.shape)}")
     if x.dim() < 1:
         raise ValueError("x must have at least 1 dimension [..., K], got a 0-d tensor")
     N, K = weight.shape
     if x.shape[-1] != K:
-        raise ValueError(f"x has K={x.shape[-1]} in its last dimension but weight is [N={N}, K={K}]; "
-                         "the last dimension of x must equal weight.shape[1]")
+        raise ValueError(f"x has K={x.shape[-1]} in its last dimension but {name} is [N={N}, K={K}]; "
+                         f"the last dimension of x must equal {name}.shape[1]")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
-        raise ValueError(f"bias must have shape [{N}] (weight.shape[0]), got {tuple(bias.shape)}")
-    check_same_dtype("weight", weight, "x", x)
+        raise ValueError(f"{bias_name} must have shape [{N}] ({name}.shape[0]), got {tuple(bias.shape)}")
+    check_same_dtype(name, weight, "x", x)
     if bias is not None:
-        check_same_dtype("bias", bias, "x", x)
-    check_same_device("weight", weight, "x", x)
+        check_same_dtype(bias_name, bias, "x", x)
+    check_same_device(name, weight, "x", x)
     if bias is not None:
-        check_same_device("bias", bias, "x", x)
+        check_same_device(bias_name, bias, "x", x)
+
+
+def _split_k(M: int, N: int, K: int, device) -> int:
+    """K slices for small-M (decode) GEMMs on the GPU; 1 otherwise. Tests on the CPU patch this."""
+    if device.type != "cuda":
+        return 1
+    from tilefuse.kernels.gemm_epilogue import split_k_for
+    from tilefuse.kernels.gemm_tma import device_facts
+
+    return split_k_for(M, N, K, device_facts(device)[1])
 
 
 def _row_addressing(x: torch.Tensor):
@@ -79,12 +122,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     "relu" or "silu". Returns ``[..., N]`` in ``x.dtype``. fp32 inputs use full-precision fp32 unless
     ``torch.backends.cuda.matmul.allow_tf32`` is set. CPU tensors run the Triton kernel under
     ``TRITON_INTERPRET=1`` and the PyTorch reference otherwise.
+
+    Gated (GLU) activations "swiglu", "geglu" (erf GELU), "geglu_tanh" return
+    ``act(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up)`` of shape ``[..., N]``: ``weight`` is the pair
+    ``(W_gate, W_up)`` (each ``[N, K]``, read in place) or one ``[2N, K]`` tensor ``cat([W_gate, W_up])``;
+    ``bias`` likewise a pair, ``[2N]`` or None.
     """
-    _check_linear_args(x, weight, bias, activation)
-    check_no_grad_needed("linear", x, weight, bias)
+    if activation is not None and activation not in ACTIVATIONS + GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS + GATED_ACTIVATIONS}, got {activation!r}")
+    gated = activation in GATED_ACTIVATIONS
+    if gated:
+        weight, w_up, bias, b_up = _split_gated(weight, bias, activation)
+        _check_linear_args(x, w_up, b_up, activation, name="W_up", bias_name="b_up")
+        _check_linear_args(x, weight, bias, activation, name="W_gate", bias_name="b_gate")
+        check_no_grad_needed("linear", x, weight, bias, w_up, b_up)
+    else:
+        if isinstance(weight, (tuple, list)):
+            raise ValueError(f"a pair of weights needs a gated activation {GATED_ACTIVATIONS}, "
+                             f"got activation={activation!r}")
+        w_up = b_up = None
+        _check_linear_args(x, weight, bias, activation)
+        check_no_grad_needed("linear", x, weight, bias)
     path = runtime.execution_path(x)
     last_config.update(config=None, path=path, kernel=None)
     if path == runtime.REFERENCE:
+        if gated:
+            return reference.gated_linear(x, weight, w_up, bias, b_up, activation)
         return reference.linear(x, weight, bias, activation)
 
     from tilefuse.kernels.gemm_epilogue import launch_linear  # imports triton lazily
@@ -101,15 +164,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
     y2d = y.view(M, N)
-    if path == runtime.COMPILED and x.dtype != torch.float32 and s_k == 1 and (s_outer == 0 or m_inner == M):
+    split_k = _split_k(M, N, K, x.device)
+    if (path == runtime.COMPILED and split_k == 1 and x.dtype != torch.float32 and s_k == 1
+            and (s_outer == 0 or m_inner == M)):
         from tilefuse.kernels import gemm_tma
 
         x2d = x_rows.as_strided((M, K), (s_inner, 1))
-        if gemm_tma.tma_supported(x2d, weight, y2d):
-            last_config.update(config=gemm_tma.launch_linear_tma(x2d, weight, bias, y2d, activation),
-                               kernel="tma")
+        if gemm_tma.tma_supported(x2d, weight, y2d, *([w_up] if gated else [])):
+            cfg = gemm_tma.launch_linear_tma(x2d, weight, bias, y2d, activation, w_up=w_up, b_up=b_up)
+            last_config.update(config=cfg, kernel="tma")
             return y
     cfg = launch_linear(x_rows, m_inner, s_outer, s_inner, s_k, weight, bias, y2d, M, N, K,
-                        activation, precision, interpret=(path == runtime.INTERPRETER))
-    last_config.update(config=cfg, kernel="portable")
+                        activation, precision, interpret=(path == runtime.INTERPRETER), w_up=w_up, b_up=b_up,
+                        split_k=split_k)
+    last_config.update(config=cfg, kernel="portable" if split_k == 1 else f"split-k {split_k}")
     return y
