@@ -1,0 +1,66 @@
+"""Compile a Triton kernel for Hopper (sm_90a) on any machine, GPU or not, and read the compiler's facts.
+
+Triton ships LLVM and ptxas, so a kernel variant can be compiled for the H200 here: it catches compile
+errors the interpreter never sees (e.g. non-constexpr globals), and ``ptxas -v`` gives registers and
+spill bytes, so register pressure can be studied without device time.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+
+def compile_sm90(module: str, kernel: str, signature: dict, constexprs: dict, num_warps: int = 4,
+                 num_stages: int = 3) -> dict:
+    """Compile ``module.kernel`` (a @triton.jit function) for sm_90a.
+
+    ``signature``: arg name -> triton type string ("*bf16", "i32", ...) for runtime args; ``constexprs``:
+    arg name -> value. Returns regs, spill_store_bytes, shared bytes and wgmma (bool). Under
+    TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile, so the work then runs in a
+    child process without it.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        job = json.dumps([module, kernel, signature, constexprs, num_warps, num_stages])
+        out = subprocess.run([sys.executable, "-m", "tilefuse.harness.compiler", job], env=env,
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"compiling {module}.{kernel} for sm_90a failed:\n{out.stderr[-4000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    return _compile_here(getattr(importlib.import_module(module), kernel), signature, constexprs,
+                         num_warps, num_stages)
+
+
+def _compile_here(fn, signature, constexprs, num_warps, num_stages) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature)
+    sig.update({name: "constexpr" for name in constexprs})
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = kernel.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", info)]
+    return {"regs": int(regs.group(1)) if regs else None, "spill_store_bytes": max(spills, default=0),
+            "shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx}
+
+
+if __name__ == "__main__":
+    module, kernel, signature, constexprs, num_warps, num_stages = json.loads(sys.argv[1])
+    print(json.dumps(compile_sm90(module, kernel, signature, constexprs, num_warps, num_stages)))
