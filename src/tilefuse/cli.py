@@ -1,4 +1,4 @@
-"""Command line: ``tilefuse report | info`` (also ``python -m tilefuse``).
+"""Command line: ``tilefuse report | tune | info`` (also ``python -m tilefuse``).
 
 On a machine without a GPU, ``report`` runs the kernels in the Triton interpreter; the variable must be
 set before triton is imported, which is why this module imports the rest of tilefuse lazily.
@@ -21,6 +21,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--anchors", nargs="+", metavar="REGEX",
                    help="run only anchors whose whole name matches one of these regexes (eager unfused always runs)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t = sub.add_parser("tune", help="autotune the kernels behind ops on this GPU and store the winners")
+    t.add_argument("--ops", nargs="+", metavar="NAME", help="registry op names (default: all)")
+    t.add_argument("--dtype", nargs="+", metavar="NAME", choices=["fp32", "fp16", "bf16"],
+                   help="only bench cases of these dtypes (default: all)")
+    t.add_argument("--out", metavar="FILE", help="also merge the chosen configs into FILE, a table in the "
+                   "shipped format (src/tilefuse/configs/<gpu-slug>.json)")
+    t.add_argument("--retune", action="store_true",
+                   help="ignore configs already in the user cache or the shipped table; benchmark every key")
     sub.add_parser("info", help="versions, device, and which execution path runs")
     return p
 
@@ -89,10 +97,45 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tilefuse tune: tuning needs a CUDA device; interpreter timings mean nothing", file=sys.stderr)
+        return 2
+    if os.environ.get("TILEFUSE_AUTOTUNE", "1") == "0":
+        print("tilefuse tune: TILEFUSE_AUTOTUNE=0 pins every kernel to its first config; unset it to tune",
+              file=sys.stderr)
+        return 2
+    from tilefuse import registry, tuning
+
+    unknown = [name for name in args.ops or [] if name not in registry.REGISTRY]
+    if unknown:
+        print(f"tilefuse tune: unknown op {unknown[0]!r}; known ops: {', '.join(registry.REGISTRY)}",
+              file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name()
+    print(f"tuning on {gpu}; user cache: {tuning.cache_dir() / tuning.gpu_slug(gpu)}")
+    tuning.use_stored_configs(not args.retune)
+    failures = tuning.tune_ops(args.ops or list(registry.REGISTRY), dtypes=args.dtype)
+    records = tuning.tuning_records()
+    for r in records:
+        print(f"{r['kernel']} [{r['key']}]\n    {tuning.describe_record(r)}")
+    if args.out:
+        n = tuning.write_table(args.out, records, gpu)
+        print(f"merged {n} configs into {args.out} (ship it as src/tilefuse/configs/{tuning.gpu_slug(gpu)}.json)")
+    if failures:
+        print("cases that failed:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "info":
         return cmd_info()
     if args.command == "report":
         return cmd_report(args)
+    if args.command == "tune":
+        return cmd_tune(args)
     raise AssertionError(args.command)

@@ -281,6 +281,7 @@ def _prune(configs, named_args, **kwargs):
 
 
 attention_fwd_autotuned = tuning.autotune(
+    name="attention_fwd",
     configs=GPU_CONFIGS,
     key=["Q_BUCKET", "K_BUCKET", "BLOCK_D", "HAS_LEFT", "HAS_RIGHT", "HAS_MASK", "MASK_IS_BOOL",
          "USE_DESC", "INPUT_PRECISION"],

@@ -153,6 +153,7 @@ def prune_gated_configs(configs, named_args, **kwargs):
 
 
 linear_epilogue_autotuned = tuning.autotune(
+    name="linear_portable",
     configs=tuning.PORTABLE_GEMM_CONFIGS,
     key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K"],
     prune_configs_by={"early_config_prune": prune_gated_configs},
@@ -160,16 +161,9 @@ linear_epilogue_autotuned = tuning.autotune(
 
 # Small M (decode): few output tiles for 132 SMs, so K is split too. Skinny row tiles (tl.dot needs 16
 # rows), narrow column tiles for more programs, long K steps to keep loads in flight.
-# (Kept here until the tuning module's table covers them.)
-SPLIT_K_GEMM_CONFIGS = [
-    triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1), num_warps=4, num_stages=stages)
-    for bm, bn, bk, stages in ((16, 64, 128, 4), (16, 32, 128, 5), (32, 64, 128, 4), (64, 64, 128, 3),
-                               (16, 128, 64, 4))
-]
-SPLIT_K_ALIGN = 128  # the largest BLOCK_K above and in the interpreter config
-
 linear_splitk_autotuned = tuning.autotune(
-    configs=SPLIT_K_GEMM_CONFIGS,
+    name="linear_splitk",
+    configs=tuning.SPLIT_K_GEMM_CONFIGS,
     key=["M_BUCKET", "N", "K", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K"],
     prune_configs_by={"early_config_prune": prune_gated_configs},
 )(linear_epilogue_kernel)
@@ -202,7 +196,7 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
     k_split_len = K
     if split_k > 1:
         # Slices are whole multiples of the largest BLOCK_K in use, so no K step straddles two slices.
-        k_split_len = triton.cdiv(triton.cdiv(K, split_k), SPLIT_K_ALIGN) * SPLIT_K_ALIGN
+        k_split_len = triton.cdiv(triton.cdiv(K, split_k), tuning.SPLIT_K_ALIGN) * tuning.SPLIT_K_ALIGN
         split_k = triton.cdiv(K, k_split_len)
         ws = torch.empty(((2 if gated else 1) * split_k, M, N), dtype=torch.float32, device=y.device)
     common["SPLIT_K"] = split_k

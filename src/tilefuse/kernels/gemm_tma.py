@@ -154,6 +154,7 @@ def _ensure_allocator():
 
 
 linear_tma_autotuned = tuning.autotune(
+    name="linear_tma",
     configs=[_tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS],
     key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION"],
     prune_configs_by={"early_config_prune": prune_gated_configs},

@@ -83,6 +83,7 @@ def norm_linear_kernel(
 
 
 norm_linear_autotuned = tuning.autotune(
+    name="norm_linear",
     configs=tuning.PORTABLE_GEMM_CONFIGS,
     key=["M_BUCKET", "N", "K", "IS_RMS", "HAS_GAMMA", "HAS_BETA", "HAS_BIAS", "ACTIVATION",
          "INPUT_PRECISION"],

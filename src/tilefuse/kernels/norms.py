@@ -303,6 +303,7 @@ def _prune_fwd(configs, named_args, **kwargs):
 
 
 norm_fwd_autotuned = tuning.autotune(
+    name="norm_fwd",
     configs=_fwd_configs(),
     key=["N", "M_BUCKET", "IS_RMS", "HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "STORE_Y"],
     prune_configs_by={"early_config_prune": _prune_fwd},

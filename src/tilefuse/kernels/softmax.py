@@ -403,14 +403,18 @@ _LOOP_CONFIGS = [triton.Config({"BLOCK_M": 1, "BLOCK_N": bn}, num_warps=_warps(b
                  for bn in (2048, 4096, 8192)]
 
 softmax_fwd_block_tuned = tuning.autotune(
+    name="softmax_fwd_block",
     configs=_block_config_space(), key=["KEY_N", "KEY_R", "WIDE"],
     prune_configs_by={"early_config_prune": _prune_block})(softmax_fwd_kernel)
 softmax_fwd_loop_tuned = tuning.autotune(
+    name="softmax_fwd_loop",
     configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "ALGORITHM", "WIDE"])(softmax_fwd_kernel)
 softmax_bwd_block_tuned = tuning.autotune(
+    name="softmax_bwd_block",
     configs=_block_config_space(), key=["KEY_N", "KEY_R", "WIDE"],
     prune_configs_by={"early_config_prune": _prune_block})(softmax_bwd_kernel)
 softmax_bwd_loop_tuned = tuning.autotune(
+    name="softmax_bwd_loop",
     configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "WIDE"])(softmax_bwd_kernel)
 
 # When False, the GPU runs the heuristic plan as is (no autotune): a switch for quick GPU checks.
