@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tilefuse import registry, runtime
+from tilefuse import registry, runtime, tuning
 from tilefuse.harness import plots
 from tilefuse.harness.stats import error_stats, to_float64
 from tilefuse.harness.timing import bench_ms, measure_ceilings
@@ -160,6 +160,7 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     with Progress(disable=not show_progress, transient=True) as progress:
         task = progress.add_task("tilefuse report", total=total)
         for spec in specs:
+            records_before = _record_keys()
             progress.update(task, description=f"{spec.name}: accuracy")
             entry = {"summary": spec.summary, "bound": spec.bound,
                      "accuracy": accuracy_for_op(spec, seeds, progress, task), "speed": []}
@@ -176,9 +177,15 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
                                            "dtype": registry.dtype_name(params["dtype"]),
                                            "flops": spec.flops(params), "hbm_bytes": spec.hbm_bytes(params),
                                            "ms": None})
+            entry["tuning"] = [r for r in tuning.tuning_records()
+                               if (r["kernel"], r["key"]) not in records_before]
             entry["plots"] = plots.write_op_plots(spec.name, entry, out)
     _write(result, out)
     return result
+
+
+def _record_keys() -> set:
+    return {(r["kernel"], r["key"]) for r in tuning.tuning_records()}
 
 
 def _write(result: dict, out: Path) -> None:
@@ -250,6 +257,11 @@ def render_markdown(result: dict) -> str:
             for r in op["speed"]:
                 u, f = r["hbm_bytes"]["unfused"], r["hbm_bytes"]["fused"]
                 lines.append(f"| {r['case']} | {r['dtype']} | {u / 1e6:.1f} | {f / 1e6:.1f} | {1 - f / u:.0%} |")
+        if op.get("tuning"):
+            lines += ["", "### Configs chosen in this run (and the ones they beat)", "",
+                      "| kernel | key | choice |", "|---|---|---|"]
+            for r in op["tuning"]:
+                lines.append(f"| {r['kernel']} | `{r['key']}` | {tuning.describe_record(r)} |")
         lines.append("")
         for title, png in op.get("plots", {}).items():
             lines += [f"![{title}]({png})", ""]
