@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
+from tilefuse.kernels.tiling import grouped_tile
 from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
 
 
@@ -45,17 +46,7 @@ def linear_epilogue_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped order: walk GROUP_M tiles down a column of tiles before moving right, so a weight tile
-    # fetched from HBM is reused from L2 by GROUP_M programs.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    group_id = pid // pids_per_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % pids_per_group) % group_size_m)
-    pid_n = (pid % pids_per_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -19,19 +19,9 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
+from tilefuse.kernels.tiling import grouped_tile
 from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
 from tilefuse.kernels.gemm_epilogue import prune_gated_configs
-
-
-@triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    pids_per_group = GROUP_M * num_pid_n
-    group_id = tile_id // pids_per_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % group_size_m)
-    pid_n = (tile_id % pids_per_group) // group_size_m
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -71,7 +61,7 @@ def linear_tma_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -50,7 +50,7 @@ def _split_gated(weight, bias, activation):
     return w_gate, w_up, bias[:n], bias[n:]
 
 
-def _check_linear_args(x, weight, bias, activation, name="weight", bias_name="bias"):
+def check_linear_args(x, weight, bias, activation, name="weight", bias_name="bias"):
     check_tensor("x", x)
     check_tensor(name, weight)
     if bias is not None:
@@ -133,15 +133,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     gated = activation in GATED_ACTIVATIONS
     if gated:
         weight, w_up, bias, b_up = _split_gated(weight, bias, activation)
-        _check_linear_args(x, w_up, b_up, activation, name="W_up", bias_name="b_up")
-        _check_linear_args(x, weight, bias, activation, name="W_gate", bias_name="b_gate")
+        check_linear_args(x, w_up, b_up, activation, name="W_up", bias_name="b_up")
+        check_linear_args(x, weight, bias, activation, name="W_gate", bias_name="b_gate")
         check_no_grad_needed("linear", x, weight, bias, w_up, b_up)
     else:
         if isinstance(weight, (tuple, list)):
             raise ValueError(f"a pair of weights needs a gated activation {GATED_ACTIVATIONS}, "
                              f"got activation={activation!r}")
         w_up = b_up = None
-        _check_linear_args(x, weight, bias, activation)
+        check_linear_args(x, weight, bias, activation)
         check_no_grad_needed("linear", x, weight, bias)
     path = runtime.execution_path(x)
     last_config.update(config=None, path=path, kernel=None)

@@ -14,6 +14,7 @@ import torch
 
 from tilefuse import runtime
 from tilefuse.constants import ACTIVATIONS
+from tilefuse.ops.linear import check_linear_args
 from tilefuse.ops._checks import (check_no_grad_needed, check_same_device, check_same_dtype,
                                   check_tensor)
 from tilefuse.reference import norms as reference
@@ -174,16 +175,8 @@ def _check_norm_linear_args(x, norm_weight, norm_bias, weight, bias, eps, norm, 
         raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
-    check_tensor("x", x)
-    check_tensor("weight", weight)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [N, K] (the nn.Linear layout), got shape {tuple(weight.shape)}")
-    if x.dim() < 1:
-        raise ValueError("x must have at least 1 dimension [..., K], got a 0-d tensor")
+    check_linear_args(x, weight, bias, activation)  # x, weight and bias exactly as tilefuse.linear checks
     N, K = weight.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"x has K={x.shape[-1]} in its last dimension but weight is [N={N}, K={K}]; "
-                         "the last dimension of x must equal weight.shape[1]")
     named = [("norm_weight", norm_weight, (K,)), ("bias", bias, (N,))]
     if norm == "layer":
         named.insert(1, ("norm_bias", norm_bias, (K,)))

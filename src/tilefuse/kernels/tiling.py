@@ -1,0 +1,17 @@
+"""Tile-order helpers shared by the GEMM kernels."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile ``tile_id`` in grouped order: GROUP_M row-tiles walk down one column
+    band of tiles before moving right, so a weight tile fetched from HBM is reused from L2 by GROUP_M
+    programs."""
+    pids_per_group = GROUP_M * num_pid_n
+    group_id = tile_id // pids_per_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % pids_per_group) % group_size_m)
+    pid_n = (tile_id % pids_per_group) // group_size_m
+    return pid_m, pid_n
