@@ -14,7 +14,7 @@ TMA_SIGNATURE = {name: ("*bf16" if name.endswith("_ptr") else "i32") for name in
 def tma_variants():
     for activation, gated in (("gelu", False), ("swiglu", True)):
         for c in tuning.TMA_GEMM_CONFIGS:
-            if gated and c["bm"] * c["bn"] > 128 * 128:
+            if gated and (c["bm"] * c["bn"] > 64 * 32 * c["warps"] or c["bn"] > 128):
                 continue
             for ws in (False, True):
                 yield activation, gated, c, ws
