@@ -255,16 +255,24 @@ GPU_CONFIGS = [
     _cfg(128, 64, 4, 3), _cfg(128, 64, 4, 4), _cfg(128, 128, 8, 3),
     _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2),
     _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 32, 8, 2),
+    # d = 256: found by the offline sm_90a compile study (no spills with or without descriptors).
+    _cfg(64, 32, 8, 3), _cfg(64, 64, 8, 2),
 ]
-SMEM_LIMIT = 220 * 1024  # H200: 227 KiB per block, minus slack for the compiler's own buffers
+SMEM_LIMIT = 227 * 1024  # H200: shared memory per block
 
 
-def config_fits(bm, bn, warps, stages, block_d, elem_bytes):
-    """Shared memory (Q once + K, V per stage) and accumulator registers stay within Hopper's limits."""
-    smem = (bm * block_d + 2 * max(stages - 1, 1) * bn * block_d) * elem_bytes
+def config_fits(bm, bn, warps, stages, block_d, elem_bytes, use_desc=True):
+    """Shared memory and registers stay within Hopper's limits.
+
+    Shared memory, as the compiler allocates it (checked by compiling every config for sm_90a,
+    benchmarks/results/h200/2026-11-29/compile_study_offline.json): Q once plus K and V in every one of
+    ``stages`` buffers, plus 1 KB of descriptors. Registers: without descriptors Q also sits in
+    registers, so the fp32 accumulator gets half the budget (d = 256 spilled otherwise)."""
+    smem = (bm * block_d + 2 * stages * bn * block_d) * elem_bytes + (1024 if use_desc else 0)
     acc_regs = bm * block_d // (32 * warps)     # fp32 accumulator per thread
     score_regs = bm * bn // (32 * warps)        # fp32 score tile per thread
-    return smem <= SMEM_LIMIT and acc_regs <= 128 and score_regs <= 64 and acc_regs + score_regs <= 160
+    acc_cap = 128 if use_desc else 64
+    return smem <= SMEM_LIMIT and acc_regs <= acc_cap and score_regs <= 64 and acc_regs + score_regs <= 160
 
 
 def _prune(configs, named_args, **kwargs):
@@ -272,7 +280,8 @@ def _prune(configs, named_args, **kwargs):
     block_d = args["BLOCK_D"]
     elem = args["q_ptr"].element_size()
     kept = [c for c in configs
-            if config_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, block_d, elem)]
+            if config_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, block_d, elem,
+                           args["USE_DESC"])]
     if block_d <= 64:  # small head dims: 8 warps leave each warp too little wgmma work
         kept = [c for c in kept if c.num_warps == 4] or kept
     elif block_d == 128:
@@ -298,7 +307,8 @@ def heuristic_config(block_d: int, elem_bytes: int) -> triton.Config:
         return _cfg(128, 64, 4, 3)
     if block_d <= 128:
         return _cfg(128, 64, 8, 3) if elem_bytes == 2 else _cfg(64, 32, 4, 3)
-    return _cfg(64, 64, 4, 2) if elem_bytes == 2 else _cfg(64, 32, 4, 2)
+    # d = 256: 64x32 with 8 warps compiled without spills on both load paths (offline sm_90a study).
+    return _cfg(64, 32, 8, 3) if elem_bytes == 2 else _cfg(64, 32, 4, 2)
 
 
 def _bucket(n: int) -> int:
