@@ -118,9 +118,13 @@ def norm_fwd_kernel(
 
 
 @triton.jit
-def _grad_terms(dy_ptr, h_ptr, w_ptr, mean, rstd, rows, offs_n, mask_n, mask,
+def _grad_terms(dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, offs_m, mask_m, rows, offs_n, mask_n, mask,
                 stride_dym, stride_hm, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """x_hat and w*dy for one [BLOCK_M, BLOCK_N] tile, in fp32 (masked lanes are 0)."""
+    """rstd, dy, x_hat and w*dy for one [BLOCK_M, BLOCK_N] tile, in fp32 (masked lanes are 0)."""
+    rstd = tl.load(rstd_ptr + offs_m, mask=mask_m, other=0.0)
+    mean = rstd
+    if not IS_RMS:
+        mean = tl.load(mean_ptr + offs_m, mask=mask_m, other=0.0)
     dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     h = tl.load(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if IS_RMS:
@@ -131,7 +135,15 @@ def _grad_terms(dy_ptr, h_ptr, w_ptr, mean, rstd, rows, offs_n, mask_n, mask,
         wdy = dy * tl.load(w_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     else:
         wdy = dy
-    return dy, x_hat, wdy
+    return rstd, dy, x_hat, wdy
+
+
+@triton.jit
+def _dx(wdy, x_hat, c1, c2, rstd, IS_RMS: tl.constexpr):
+    """dx = rstd * (w*dy - x_hat*c1 - c2), c1 = mean(x_hat*w*dy), c2 = mean(w*dy) (absent for RMS)."""
+    if IS_RMS:
+        return (wdy - x_hat * c1[:, None]) * rstd[:, None]
+    return (wdy - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
 
 
 @triton.jit
@@ -158,18 +170,9 @@ def norm_bwd_kernel(
         mask_m = offs_m < M
         rows = offs_m.to(tl.int64)
         mask = mask_m[:, None] & mask_n[None, :]
-        rstd = tl.load(rstd_ptr + offs_m, mask=mask_m, other=0.0)
-        mean = rstd
-        if not IS_RMS:
-            mean = tl.load(mean_ptr + offs_m, mask=mask_m, other=0.0)
-        dy, x_hat, wdy = _grad_terms(dy_ptr, h_ptr, w_ptr, mean, rstd, rows, offs_n, mask_n, mask,
-                                     stride_dym, stride_hm, IS_RMS, HAS_WEIGHT)
-        c1 = tl.sum(x_hat * wdy, axis=1) / N
-        if IS_RMS:
-            dx = (wdy - x_hat * c1[:, None]) * rstd[:, None]
-        else:
-            c2 = tl.sum(wdy, axis=1) / N
-            dx = (wdy - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        rstd, dy, x_hat, wdy = _grad_terms(dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, offs_m, mask_m, rows,
+                                           offs_n, mask_n, mask, stride_dym, stride_hm, IS_RMS, HAS_WEIGHT)
+        dx = _dx(wdy, x_hat, tl.sum(x_hat * wdy, axis=1) / N, tl.sum(wdy, axis=1) / N, rstd, IS_RMS)
         if HAS_DH:  # h was also an output (residual stream): its own gradient joins here
             dx += tl.load(dh_ptr + rows[:, None] * stride_dhm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -207,12 +210,8 @@ def norm_bwd_chunk_sums_kernel(
         mask_m = offs_m < M
         rows = offs_m.to(tl.int64)
         mask = mask_m[:, None] & mask_n[None, :]
-        rstd = tl.load(rstd_ptr + offs_m, mask=mask_m, other=0.0)
-        mean = rstd
-        if not IS_RMS:
-            mean = tl.load(mean_ptr + offs_m, mask=mask_m, other=0.0)
-        dy, x_hat, wdy = _grad_terms(dy_ptr, h_ptr, w_ptr, mean, rstd, rows, offs_n, mask_n, mask,
-                                     stride_dym, stride_hm, IS_RMS, HAS_WEIGHT)
+        rstd, dy, x_hat, wdy = _grad_terms(dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, offs_m, mask_m, rows,
+                                           offs_n, mask_n, mask, stride_dym, stride_hm, IS_RMS, HAS_WEIGHT)
         dots = dots_ptr + (rows * NUM_CHUNKS + pid_c) * 2
         tl.store(dots, tl.sum(x_hat * wdy, axis=1), mask=mask_m)
         tl.store(dots + 1, tl.sum(wdy, axis=1), mask=mask_m)
@@ -247,16 +246,9 @@ def norm_bwd_dx_kernel(
     mask_c = mask_m[:, None] & (offs_c < NUM_CHUNKS)[None, :]
     c1 = tl.sum(tl.load(dots, mask=mask_c, other=0.0), axis=1) / N
     c2 = tl.sum(tl.load(dots + 1, mask=mask_c, other=0.0), axis=1) / N
-    rstd = tl.load(rstd_ptr + offs_m, mask=mask_m, other=0.0)
-    mean = rstd
-    if not IS_RMS:
-        mean = tl.load(mean_ptr + offs_m, mask=mask_m, other=0.0)
-    dy, x_hat, wdy = _grad_terms(dy_ptr, h_ptr, w_ptr, mean, rstd, rows, offs_n, mask_n, mask,
-                                 stride_dym, stride_hm, IS_RMS, HAS_WEIGHT)
-    if IS_RMS:
-        dx = (wdy - x_hat * c1[:, None]) * rstd[:, None]
-    else:
-        dx = (wdy - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
+    rstd, dy, x_hat, wdy = _grad_terms(dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, offs_m, mask_m, rows, offs_n,
+                                       mask_n, mask, stride_dym, stride_hm, IS_RMS, HAS_WEIGHT)
+    dx = _dx(wdy, x_hat, c1, c2, rstd, IS_RMS)
     if HAS_DH:
         dx += tl.load(dh_ptr + rows[:, None] * stride_dhm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
