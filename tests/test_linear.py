@@ -6,6 +6,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tilefuse
 from helpers import ON_GPU, assert_close
@@ -161,3 +163,22 @@ def test_split_k_path_matches_reference(device, activation, monkeypatch):
     else:
         ref = reference.linear(x.double(), w.double(), b.double(), activation)
     assert_close(out, ref, 1e-5, f"split-k {activation}")
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(m=st.integers(1, 70), k=st.integers(1, 90), n=st.integers(1, 70),
+       activation=st.sampled_from(ACTS), bias=st.booleans(), transpose_x=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_random_shapes_property(m, k, n, activation, bias, transpose_x, dtype):
+    # Any M, K, N (masked tails everywhere) and either x layout match the float64 reference.
+    device = "cuda" if ON_GPU else "cpu"
+    g = torch.Generator().manual_seed(m * 10007 + k * 101 + n)
+    x = torch.randn(k, m, generator=g).t() if transpose_x else torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    x, w = x.to(device, dtype), w.to(device, dtype)
+    b = b.to(device, dtype) if b is not None else None
+    out = tilefuse.linear(x, w, b, activation)
+    ref = reference.linear(x.double(), w.double(), None if b is None else b.double(), activation)
+    bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert_close(out, ref, bound, f"{m}x{k}x{n} {activation} {dtype}")
