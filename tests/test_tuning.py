@@ -476,3 +476,15 @@ def test_tune_command_prints_choices_and_merges_out_table(tables, monkeypatch, c
 def test_tune_refuses_without_a_gpu(capsys):
     assert cli.main(["tune", "--ops", "linear", "--dtype", "bf16"]) == 2
     assert "tuning needs a CUDA device; interpreter timings mean nothing" in capsys.readouterr().err
+
+
+def test_settled_key_skips_table_lookup_on_later_launches(tables, monkeypatch):
+    # After the first launch of a key, later launches must not look anything up again (host hot path).
+    store(tuning.user_cache_path(SLUG, "tiny"), user_table({KEY_TEXT: entry_for(SPACE[1])}))
+    tuner = make_tuner(monkeypatch)
+    launch(tuner)
+    looked_up = []
+    monkeypatch.setattr(tuner, "choose", lambda *a: looked_up.append(a) or (_ for _ in ()).throw(AssertionError))
+    for _ in range(3):
+        assert launch(tuner)["BLOCK"] == SPACE[1].kwargs["BLOCK"]
+    assert looked_up == [] and len(tuner.fn.calls) == 4
