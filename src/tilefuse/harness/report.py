@@ -17,7 +17,7 @@ import torch
 
 from tilefuse import registry, runtime, tuning
 from tilefuse.harness import plots
-from tilefuse.harness.stats import error_stats, to_float64
+from tilefuse.harness.stats import error_stats, poison_outputs_like, to_float64
 from tilefuse.harness.timing import bench_ms, measure_ceilings
 
 
@@ -41,13 +41,6 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _poison_allocator(nbytes: int) -> None:
-    """Leave NaN bytes where the caching allocator will hand out the next output buffer, so an
-    element the kernel forgets to write shows up as NaN instead of stale-but-plausible data."""
-    if torch.cuda.is_available() and nbytes > 0:
-        torch.full((nbytes // 2 + 1,), float("nan"), dtype=torch.float16, device="cuda")
-
-
 def accuracy_for_op(spec: registry.OpSpec, seeds: int, progress=None, task=None) -> list[dict]:
     device = _device()
     rows = []
@@ -59,7 +52,7 @@ def accuracy_for_op(spec: registry.OpSpec, seeds: int, progress=None, task=None)
             inputs = spec.make_inputs(params, device, 1000 + seed)
             with torch.no_grad():
                 ref = spec.reference(**to_float64(inputs))
-                _poison_allocator(sum(t.numel() * params["dtype"].itemsize for t in _tensors(ref)))
+                poison_outputs_like(ref, params["dtype"])
                 out = spec.fused(**inputs)
             st = error_stats(out, ref)
             rel.append(st.rel_l2)
@@ -74,11 +67,6 @@ def accuracy_for_op(spec: registry.OpSpec, seeds: int, progress=None, task=None)
             "pass": nan_bad == 0 and max(rel) <= bound,
         })
     return rows
-
-
-def _tensors(out):
-    from tilefuse.harness.stats import flatten_outputs
-    return flatten_outputs(out)
 
 
 def _median(xs):
