@@ -5,28 +5,28 @@ import sys
 
 from tilefuse import tuning
 from tilefuse.harness.compiler import compile_sm90
-
-TMA_SIGNATURE = {name: ("*bf16" if name.endswith("_ptr") else "i32") for name in
-                 ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "wu_ptr", "bu_ptr", "M", "N", "K", "M_BUCKET",
-                  "stride_xm", "stride_wn", "stride_wun", "stride_ym")}
-
+from tilefuse.kernels.gemm_epilogue import prune_gated_configs
+from tilefuse.kernels.gemm_tma import _tma_config
 
 def tma_variants():
+    """Every config of the space, gated ones too: rows record whether the launcher's prune keeps it,
+    so the facts show why the pruned ones are pruned."""
+    space = [_tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS]
     for activation, gated in (("gelu", False), ("swiglu", True)):
-        for c in tuning.TMA_GEMM_CONFIGS:
-            if gated and (c["bm"] * c["bn"] > 64 * 32 * c["warps"] or c["bn"] > 128):
-                continue
+        kept_space = [(k.kwargs, k.num_warps, k.num_stages) for k in prune_gated_configs(space, {}, GATED=gated)]
+        for c, cfg in zip(tuning.TMA_GEMM_CONFIGS, space):
+            kept = (cfg.kwargs, cfg.num_warps, cfg.num_stages) in kept_space
             for ws in (False, True):
-                yield activation, gated, c, ws
+                yield activation, gated, c, ws, kept
 
 
 def main(out=None):
     rows = []
-    for activation, gated, c, ws in tma_variants():
+    for activation, gated, c, ws, kept in tma_variants():
         consts = dict(HAS_BIAS=True, ACTIVATION=activation, GATED=gated, NUM_SMS=132, BLOCK_M=c["bm"],
                       BLOCK_N=c["bn"], BLOCK_K=c["bk"], GROUP_M=8, EPILOGUE_SUBTILE=True, WARP_SPECIALIZE=ws)
-        facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", TMA_SIGNATURE, consts, c["warps"], c["stages"])
-        row = {"kernel": "linear_tma", "activation": activation, **c, "ws": ws, **facts}
+        facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", "*bf16", consts, c["warps"], c["stages"])
+        row = {"kernel": "linear_tma", "activation": activation, **c, "ws": ws, "launcher_keeps": kept, **facts}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if out:

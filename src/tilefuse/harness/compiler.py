@@ -15,12 +15,14 @@ import sys
 import tempfile
 
 
-def compile_sm90(module: str, kernel: str, signature: dict, constexprs: dict, num_warps: int = 4,
+def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: dict, num_warps: int = 4,
                  num_stages: int = 3) -> dict:
     """Compile ``module.kernel`` (a @triton.jit function) for sm_90a.
 
-    ``signature``: arg name -> triton type string ("*bf16", "i32", ...) for runtime args; ``constexprs``:
-    arg name -> value. Returns regs, spill_store_bytes, shared bytes and wgmma (bool). Under
+    ``signature``: arg name -> triton type string ("*bf16", "i32", ...) for runtime args, or one pointer
+    type string (e.g. "*bf16"): then every runtime ``*_ptr`` argument gets it and every other runtime
+    argument is "i32"; a dict entry whose value is a pointer type overrides single args (give the dict
+    with key "*" for the default, e.g. {"*": "*fp16", "ws_ptr": "*fp32"}). ``constexprs``: arg name -> value. Returns regs, spill_store_bytes, shared bytes and wgmma (bool). Under
     TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile, so the work then runs in a
     child process without it.
     """
@@ -41,7 +43,15 @@ def _compile_here(fn, signature, constexprs, num_warps, num_stages) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = dict(signature)
+    if isinstance(signature, str):
+        signature = {"*": signature}
+    if "*" in signature:  # derive the rest from the kernel's own parameter list
+        default_ptr = signature["*"]
+        sig = {p.name: (default_ptr if p.name.endswith("_ptr") else "i32")
+               for p in fn.params if not p.is_constexpr and p.name not in constexprs}
+        sig.update({k: v for k, v in signature.items() if k != "*"})
+    else:
+        sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
