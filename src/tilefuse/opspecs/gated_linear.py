@@ -5,7 +5,7 @@ import torch
 
 from tilefuse import reference
 from tilefuse.opspec import OpSpec
-from tilefuse.opspecs.linear import _config_used
+from tilefuse.opspecs.linear import _config_used, make_x, random_normal
 from tilefuse.ops import linear as linear_op
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -18,22 +18,10 @@ def make_inputs(params: dict, device, seed: int) -> dict:
     """x ~ N(0,1); W_gate, W_up ~ N(0, 1/K); biases ~ N(0,1). ``weight_form`` "pair" passes
     (W_gate, W_up); "concat" passes one [2N, K] tensor (and a [2N] bias)."""
     M, K, N = params["shape"]
-    dtype = params["dtype"]
-    g = torch.Generator(device="cpu").manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
-
+    randn = random_normal(params["dtype"], device, seed)
     w_both = randn(2 * N, K, scale=1.0 / max(K, 1) ** 0.5)
     b_both = randn(2 * N) if params.get("bias", True) else None
-    layout = params.get("layout", "contiguous")
-    if layout == "x_transposed":
-        x = randn(K, M).t()
-    elif layout == "3d":
-        b = next((d for d in (3, 2) if M % d == 0), 1)
-        x = randn(b, M // b, K)
-    else:
-        x = randn(M, K)
+    x = make_x(randn, M, K, params.get("layout", "contiguous"))
     if params.get("weight_form", "pair") == "pair":
         weight = (w_both[:N], w_both[N:])
         bias = None if b_both is None else (b_both[:N], b_both[N:])

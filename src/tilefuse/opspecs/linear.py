@@ -14,6 +14,32 @@ BENCH_SHAPES = [(8192, 4096, 16384), (2048, 4096, 11008), (8192, 1024, 4096),
                 (16384, 768, 3072), (512, 4096, 4096)]
 
 
+def random_normal(dtype, device, seed: int):
+    """``randn(*shape, scale=1.0)``: N(0, scale^2) values drawn on the CPU from ``seed`` (the same values
+    on every device), then moved to ``device`` in ``dtype``."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+    return randn
+
+
+def make_x(randn, M: int, K: int, layout: str) -> torch.Tensor:
+    """x with M rows of K in the named layout; every non-contiguous one is a view, never a copy."""
+    if layout == "x_transposed":          # a transposed view of a [K, M] buffer
+        return randn(K, M).t()
+    if layout == "x_strided":             # every other row and column of a larger buffer
+        return randn(2 * M, 2 * K)[::2, ::2]
+    if layout in ("3d", "3d_permuted"):   # [B, S, K], M = B * S (1 x M when M is prime)
+        b = next((d for d in (3, 2) if M % d == 0), 1)
+        if layout == "3d":
+            return randn(b, M // b, K)
+        return randn(M // b, b, K).transpose(0, 1)  # a permuted view of [S, B, K]: two row strides
+    if layout == "1d":
+        return randn(K)
+    return randn(M, K)
+
+
 def make_inputs(params: dict, device, seed: int) -> dict:
     """Random x, weight, bias in the layout the params ask for (strided/transposed views included).
 
@@ -21,32 +47,14 @@ def make_inputs(params: dict, device, seed: int) -> dict:
     exercised on both sides of zero; bias ~ N(0, 1).
     """
     M, K, N = params["shape"]
-    dtype = params["dtype"]
     layout = params.get("layout", "contiguous")
-    g = torch.Generator(device="cpu").manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
-
+    randn = random_normal(params["dtype"], device, seed)
     w_scale = 1.0 / max(K, 1) ** 0.5
     if layout == "w_transposed":          # weight is a transposed view of a [K, N] buffer
         weight = randn(K, N, scale=w_scale).t()
     else:
         weight = randn(N, K, scale=w_scale)
-    if layout == "x_transposed":          # x is a transposed view of a [K, M] buffer
-        x = randn(K, M).t()
-    elif layout == "x_strided":           # every other row and column of a larger buffer
-        x = randn(2 * M, 2 * K)[::2, ::2]
-    elif layout == "3d":                  # [B, S, K] with M = B * S (M must factor: uses 1 x M if prime)
-        b = next((d for d in (3, 2) if M % d == 0), 1)
-        x = randn(b, M // b, K)
-    elif layout == "3d_permuted":         # [B, S, K] as a permuted view of [S, B, K]: two row strides
-        b = next((d for d in (3, 2) if M % d == 0), 1)
-        x = randn(M // b, b, K).transpose(0, 1)
-    elif layout == "1d":
-        x = randn(K)
-    else:
-        x = randn(M, K)
+    x = make_x(randn, M, K, layout)
     bias = randn(N) if params.get("bias", True) else None
     return {"x": x, "weight": weight, "bias": bias, "activation": params.get("activation")}
 
