@@ -6,6 +6,8 @@
 # Knobs (environment): GPU_CHECK_LIMIT total seconds (default 540), TESTS=0 to skip tests, TESTS_LIMIT
 # seconds for them, REPORT=0 to skip the report, SANITIZE=1 to run compute-sanitizer memcheck over the
 # tests matching SAN_K (default test_linear),
+# CACHE_OUT=1 to return the Triton cache, a carried .carry/results*.log to skip tests that passed in an
+# earlier call (each call writes $OUT/results.log: outcome, seconds and id of every test as it ends),
 # TEST_K a pytest -k expression for the tests, REPORT_ARGS extra arguments for `tilefuse report` (e.g. "--quick --anchors eager cublaslt").
 set -u
 cd "$(dirname "$0")/.."
@@ -33,6 +35,9 @@ if [ "${TESTS:-1}" = 1 ]; then
   # Tests pin each kernel to its first config (TILEFUSE_AUTOTUNE=0): hundreds of small shapes must not
   # each benchmark a config space. The tuned configs are exercised, with an accuracy check per row, by
   # the report below.
+  # Resume: tests recorded as passed in carried result logs (.carry/results*.log) are not run again.
+  SKIP_PASSED=$(ls .carry/results*.log 2>/dev/null | paste -sd: -)
+  TILEFUSE_SKIP_PASSED="$SKIP_PASSED" TILEFUSE_RESULT_LOG="$OUT/results.log" \
   TILEFUSE_FAIL_LOG="$OUT/failures.log" TILEFUSE_AUTOTUNE=0 timeout "${TESTS_LIMIT:-$(( $(left) / 2 ))}" python3 -m pytest -q -n "${WORKERS:-12}" --dist loadgroup -p no:cacheprovider tests ${K_EXPR:+-k "$K_EXPR"} \
     --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
   echo "tests exit: $?" >> "$OUT/tests.log"
@@ -51,6 +56,8 @@ if [ "${REPORT:-1}" = 1 ]; then
   tail -3 "$OUT/report.log"
   tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$OUT/report"
 fi
-tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
-[ "$(stat -c %s "$OUT/triton_cache.tgz")" -gt 15000000 ] && rm -f "$OUT/triton_cache.tgz"
+if [ "${CACHE_OUT:-0}" = 1 ]; then  # the full suite's cache is too large to come back (> 16 MiB)
+  tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+  [ "$(stat -c %s "$OUT/triton_cache.tgz")" -gt 15000000 ] && rm -f "$OUT/triton_cache.tgz"
+fi
 exit 0

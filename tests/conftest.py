@@ -5,6 +5,7 @@ triton is first imported, so this happens here, before any tilefuse import. With
 same tests run the compiled kernels on the GPU grid (larger shapes, full product of options).
 """
 import os
+import re
 import warnings
 
 import torch
@@ -25,7 +26,30 @@ def device() -> torch.device:
     return torch.device("cuda" if ON_GPU else "cpu")
 
 
+def _base_id(nodeid: str) -> str:
+    """The test id without xdist's ``@group`` suffix (present in reports under --dist loadgroup)."""
+    return re.sub(r"@[^\]]*$", "", nodeid)
+
+
+def _already_passed() -> set[str]:
+    """Ids recorded as passed in the result logs named by TILEFUSE_SKIP_PASSED (paths joined by ':')."""
+    done = set()
+    for path in filter(None, os.environ.get("TILEFUSE_SKIP_PASSED", "").split(":")):
+        with open(path) as f:
+            for line in f:
+                outcome, _, nodeid = line.rstrip("\n").split(" ", 2)
+                if outcome == "passed":
+                    done.add(_base_id(nodeid))
+    return done
+
+
 def pytest_collection_modifyitems(config, items):
+    # A GPU run cut off by its time limit resumes in the next call: tests that passed before are dropped.
+    done = _already_passed()
+    if done:
+        kept = [item for item in items if _base_id(item.nodeid) not in done]
+        config.hook.pytest_deselected(items=[item for item in items if _base_id(item.nodeid) in done])
+        items[:] = kept
     if ON_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -35,6 +59,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 _FAIL_LOG = os.environ.get("TILEFUSE_FAIL_LOG")
+_RESULT_LOG = os.environ.get("TILEFUSE_RESULT_LOG")
 _IS_XDIST_WORKER = False
 
 
@@ -46,7 +71,13 @@ def pytest_configure(config):
 def pytest_runtest_logreport(report):
     """With TILEFUSE_FAIL_LOG set, append each failure as it happens (test id + the error's last lines):
     a GPU run cut off by its time limit still says what failed and why."""
-    if _FAIL_LOG and report.failed and not _IS_XDIST_WORKER:
+    if _IS_XDIST_WORKER:
+        return
+    if _RESULT_LOG and (report.when == "call" or report.outcome != "passed"):
+        # One line per test as it ends ("outcome seconds id"): which tests ran, and where the time went.
+        with open(_RESULT_LOG, "a") as f:
+            f.write(f"{report.outcome} {report.duration:.2f} {report.nodeid}\n")
+    if _FAIL_LOG and report.failed:
         text = report.longreprtext.strip().splitlines()
         with open(_FAIL_LOG, "a") as f:
             f.write(f"FAILED {report.nodeid} [{report.when}]\n  " + "\n  ".join(text[-6:]) + "\n")

@@ -135,6 +135,16 @@ def splitk_epilogue_kernel(
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+SMEM_LIMIT = 232448  # Hopper: the most shared memory one block may opt in to (227 KB)
+
+
+def portable_smem_bytes(bm: int, bn: int, bk: int, stages: int, elem_bytes: int, gated: bool) -> int:
+    """Shared memory of the portable kernel's pipeline, as the compiler allocates it: ``stages - 1``
+    buffers of one x tile and one (gated: two) weight tiles. Checked against ptxas for sm_90a: exact
+    for fp32; 16-bit operands allocate at most this (benchmarks/NOTES.md, "portable shared memory")."""
+    return (stages - 1) * (bm * bk + (2 if gated else 1) * bn * bk) * elem_bytes
+
+
 def prune_gated_configs(configs, named_args, **kwargs):
     """Gated epilogues keep two fp32 accumulators: keep tiles with at most 64 accumulator elements per
     thread each. Offline sm_90a compiles (benchmarks/compile_check.py) showed 128x128 with 4 warps and
@@ -147,11 +157,24 @@ def prune_gated_configs(configs, named_args, **kwargs):
     return configs
 
 
+def prune_portable_configs(configs, named_args, **kwargs):
+    """The gated register rule, then shared memory: fp32 gated tiles of 128x128x64 with 4 stages need
+    288 KB and failed to launch on the H200 (the first config, pinned in the GPU tests)."""
+    x = named_args.get("x_ptr")
+    elem = x.element_size() if hasattr(x, "element_size") else 4
+    gated = bool(kwargs.get("GATED"))
+    kept = prune_gated_configs(configs, named_args, **kwargs)
+    fits = [c for c in kept
+            if portable_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
+                                   c.num_stages, elem, gated) <= SMEM_LIMIT]
+    return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
+
+
 linear_epilogue_autotuned = tuning.autotune(
     name="linear_portable",
     configs=tuning.PORTABLE_GEMM_CONFIGS,
     key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K"],
-    prune_configs_by={"early_config_prune": prune_gated_configs},
+    prune_configs_by={"early_config_prune": prune_portable_configs},
 )(linear_epilogue_kernel)
 
 # Small M (decode): few output tiles for 132 SMs, so K is split too. Skinny row tiles (tl.dot needs 16
@@ -160,7 +183,7 @@ linear_splitk_autotuned = tuning.autotune(
     name="linear_splitk",
     configs=tuning.SPLIT_K_GEMM_CONFIGS,
     key=["M_BUCKET", "N", "K", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K"],
-    prune_configs_by={"early_config_prune": prune_gated_configs},
+    prune_configs_by={"early_config_prune": prune_portable_configs},
 )(linear_epilogue_kernel)
 
 
