@@ -36,9 +36,10 @@ def test_split_k_epilogue_compiles_for_sm90():
     assert facts["regs"] is not None and facts["spill_store_bytes"] == 0, facts
 
 
-@pytest.mark.parametrize("dtype,gated,split_k", [("fp32", True, 1), ("fp32", False, 1), ("fp32", True, 4),
-                                                 ("bf16", True, 1)])
-def test_first_kept_portable_config_fits_shared_memory(dtype, gated, split_k):
+@pytest.mark.parametrize("dtype,gated,split_k,precision", [
+    ("fp32", True, 1, "ieee"), ("fp32", False, 1, "ieee"), ("fp32", True, 4, "ieee"), ("fp32", False, 1, "tf32"),
+    ("fp32", True, 1, "tf32"), ("bf16", True, 1, "ieee")])
+def test_first_kept_portable_config_fits_shared_memory(dtype, gated, split_k, precision):
     """The GPU tests pin each kernel's first kept config: it must launch. (fp32 gated 128x128x64 with 4
     stages asked for 288 KB on the H200.) The model the prune uses must not under-count the compiler."""
     import torch
@@ -48,11 +49,35 @@ def test_first_kept_portable_config_fits_shared_memory(dtype, gated, split_k):
 
     space = tuning.PORTABLE_GEMM_CONFIGS if split_k == 1 else tuning.SPLIT_K_GEMM_CONFIGS
     x = torch.empty(1, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
-    cfg = prune_portable_configs(space, {"x_ptr": x}, GATED=gated)[0]
+    cfg = prune_portable_configs(space, {"x_ptr": x}, GATED=gated, INPUT_PRECISION=precision)[0]
     consts = dict(HAS_BIAS=True, ACTIVATION="swiglu" if gated else "gelu", GATED=gated, SPLIT_K=split_k,
-                  INPUT_PRECISION="ieee", UPCAST_DOT=False, **cfg.kwargs)
+                  INPUT_PRECISION=precision, UPCAST_DOT=False, **cfg.kwargs)
     facts = compile_sm90("tilefuse.kernels.gemm_epilogue", "linear_epilogue_kernel",
                          {"*": f"*{dtype}", "ws_ptr": "*fp32"}, consts, cfg.num_warps, cfg.num_stages)
     model = portable_smem_bytes(cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"],
-                                cfg.num_stages, x.element_size(), gated)
+                                cfg.num_stages, x.element_size(), gated,
+                                tensor_cores=not (dtype == "fp32" and precision == "ieee"))
     assert facts["shared"] <= model <= SMEM_LIMIT, (cfg, facts, model)
+
+
+@pytest.mark.parametrize("mask_type,use_desc", [("*u8", True), ("*fp16", False)])
+def test_first_kept_attention_config_with_a_mask_fits_shared_memory(mask_type, use_desc):
+    """sdpa with a mask at d = 128 (fp16) failed to launch on the H200: the mask's layout conversion
+    takes an fp32 score tile of shared memory on top of Q, K and V. The first kept config (pinned in the
+    GPU tests) and the small-work heuristic config must fit; compiled without divisibility hints, the
+    worst case (a mask row stride such as 300)."""
+    import torch
+
+    from tilefuse.kernels import attention as att
+
+    q = torch.empty(1, dtype=torch.float16)
+    first = att._prune(att.GPU_CONFIGS, {"q_ptr": q}, BLOCK_D=128, USE_DESC=use_desc, HAS_MASK=True)[0]
+    for cfg in (first, att.heuristic_config(128, 2)):
+        consts = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=True, MASK_IS_BOOL=mask_type == "*u8",
+                      STORE_LSE=False, EVEN_D=True, USE_DESC=use_desc, INPUT_PRECISION="tf32",
+                      UPCAST_DOT=False, BLOCK_M=cfg.kwargs["BLOCK_M"], BLOCK_N=cfg.kwargs["BLOCK_N"], BLOCK_D=128)
+        facts = compile_sm90("tilefuse.kernels.attention", "attention_fwd_kernel",
+                             {"*": "*fp16", "lse_ptr": "*fp32", "mask_ptr": mask_type}, consts,
+                             cfg.num_warps, cfg.num_stages)
+        assert facts["shared"] <= 227 * 1024, (cfg, facts)
+

@@ -457,6 +457,8 @@ def test_tune_command_prints_choices_and_merges_out_table(tables, monkeypatch, c
         launch(tuner)
         return []
 
+    # The GPU test run pins configs (TILEFUSE_AUTOTUNE=0), which `tune` refuses: this test is about tuning.
+    monkeypatch.delenv("TILEFUSE_AUTOTUNE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU_NAME)
     monkeypatch.setattr(tuning, "tune_ops", fake_tune_ops)

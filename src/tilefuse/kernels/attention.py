@@ -261,14 +261,17 @@ GPU_CONFIGS = [
 SMEM_LIMIT = 227 * 1024  # H200: shared memory per block
 
 
-def config_fits(bm, bn, warps, stages, block_d, elem_bytes, use_desc=True):
+def config_fits(bm, bn, warps, stages, block_d, elem_bytes, use_desc=True, has_mask=False):
     """Shared memory and registers stay within Hopper's limits.
 
     Shared memory, as the compiler allocates it (checked by compiling every config for sm_90a,
     benchmarks/results/h200/2026-11-29/compile_study_offline.json): Q once plus K and V in every one of
     ``stages`` buffers, plus 1 KB of descriptors. Registers: without descriptors Q also sits in
-    registers, so the fp32 accumulator gets half the budget (d = 256 spilled otherwise)."""
-    smem = (bm * block_d + 2 * stages * bn * block_d) * elem_bytes + (1024 if use_desc else 0)
+    registers, so the fp32 accumulator gets half the budget (d = 256 spilled otherwise). A mask adds
+    up to one fp32 score-sized tile (a layout conversion): 64 KB at 128x128 when the mask's row stride is
+    not a multiple of 16, which made the first d = 128 config fail to launch on the H200."""
+    smem = ((bm * block_d + 2 * stages * bn * block_d) * elem_bytes + (1024 if use_desc else 0)
+            + (bm * bn * 4 if has_mask else 0))
     acc_regs = bm * block_d // (32 * warps)     # fp32 accumulator per thread
     score_regs = bm * bn // (32 * warps)        # fp32 score tile per thread
     acc_cap = 128 if use_desc else 64
@@ -281,7 +284,7 @@ def _prune(configs, named_args, **kwargs):
     elem = args["q_ptr"].element_size()
     kept = [c for c in configs
             if config_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, block_d, elem,
-                           args["USE_DESC"])]
+                           args.get("USE_DESC", True), args.get("HAS_MASK", False))]
     if block_d <= 64:  # small head dims: 8 warps leave each warp too little wgmma work
         kept = [c for c in kept if c.num_warps == 4] or kept
     elif block_d == 128:

@@ -138,11 +138,14 @@ def splitk_epilogue_kernel(
 SMEM_LIMIT = 232448  # Hopper: the most shared memory one block may opt in to (227 KB)
 
 
-def portable_smem_bytes(bm: int, bn: int, bk: int, stages: int, elem_bytes: int, gated: bool) -> int:
-    """Shared memory of the portable kernel's pipeline, as the compiler allocates it: ``stages - 1``
-    buffers of one x tile and one (gated: two) weight tiles. Checked against ptxas for sm_90a: exact
-    for fp32; 16-bit operands allocate at most this (benchmarks/NOTES.md, "portable shared memory")."""
-    return (stages - 1) * (bm * bk + (2 if gated else 1) * bn * bk) * elem_bytes
+def portable_smem_bytes(bm: int, bn: int, bk: int, stages: int, elem_bytes: int, gated: bool,
+                        tensor_cores: bool = True) -> int:
+    """Shared memory of the portable kernel's pipeline, as the compiler allocates it: ``stages`` buffers
+    (``stages - 1`` for fp32 "ieee", which runs on the FMA units) of one x tile and one (gated: two)
+    weight tiles. Checked against ptxas for sm_90a: exact for fp32 ieee and tf32; 16-bit operands
+    allocate less (benchmarks/NOTES.md, "portable shared memory")."""
+    buffers = stages if tensor_cores else stages - 1
+    return buffers * (bm * bk + (2 if gated else 1) * bn * bk) * elem_bytes
 
 
 def prune_gated_configs(configs, named_args, **kwargs):
@@ -158,15 +161,17 @@ def prune_gated_configs(configs, named_args, **kwargs):
 
 
 def prune_portable_configs(configs, named_args, **kwargs):
-    """The gated register rule, then shared memory: fp32 gated tiles of 128x128x64 with 4 stages need
-    288 KB and failed to launch on the H200 (the first config, pinned in the GPU tests)."""
+    """The gated register rule, then shared memory: on the H200, fp32 gated 128x128x64 with 4 stages
+    (ieee, 288 KB) and fp32 128x256x64 with 3 stages under tf32 (288 KB) failed to launch (the first
+    config, pinned in the GPU tests)."""
     x = named_args.get("x_ptr")
     elem = x.element_size() if hasattr(x, "element_size") else 4
     gated = bool(kwargs.get("GATED"))
+    tensor_cores = not (elem == 4 and kwargs.get("INPUT_PRECISION", "ieee") == "ieee")
     kept = prune_gated_configs(configs, named_args, **kwargs)
     fits = [c for c in kept
             if portable_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
-                                   c.num_stages, elem, gated) <= SMEM_LIMIT]
+                                   c.num_stages, elem, gated, tensor_cores) <= SMEM_LIMIT]
     return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
 
 
