@@ -81,3 +81,31 @@ def test_first_kept_attention_config_with_a_mask_fits_shared_memory(mask_type, u
                              cfg.num_warps, cfg.num_stages)
         assert facts["shared"] <= 227 * 1024, (cfg, facts)
 
+
+@pytest.mark.parametrize("shape,residual", [((4096, 16384), True), ((2048, 131072), False)])
+def test_pipelined_norm_configs_fit_shared_memory(shape, residual):
+    """Pipelined norm-forward loops (LOOP_STAGES > 1) buffer every tile they load in shared memory.
+    The kept config with the largest modeled buffers, compiled as a launch on aligned rows would be
+    (the pipeliner only buffers vectorizable loads), must fit, and the model must not under-count."""
+    import torch
+
+    from tilefuse.kernels import norms as nm
+
+    M, N = shape
+    x = torch.empty(1, dtype=torch.bfloat16)
+    kept = nm._prune_fwd(nm.norm_fwd_autotuned.configs, {"N": N, "M": M, "x_ptr": x},
+                         HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=True)
+    first = kept[0].kwargs
+    assert first["LOOP_STAGES"] == 1 and first["BLOCK_N"] == min(N, nm.GPU_MAX_BLOCK_N)  # the old choice first
+    cfg = max(kept, key=lambda c: nm.fwd_smem_bytes(c, 2, residual, True, True))
+    model = nm.fwd_smem_bytes(cfg, 2, residual, True, True)
+    assert cfg.kwargs["LOOP_STAGES"] > 1 and 0 < model <= nm.FWD_SMEM_BUDGET
+    consts = dict(IS_RMS=False, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=True, STORE_Y=True, **cfg.kwargs)
+    sig = {"*": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "eps": "fp32"}
+    aligned = ("x_ptr", "res_ptr", "w_ptr", "b_ptr", "y_ptr", "h_ptr", "N",
+               "stride_xm", "stride_rm", "stride_ym", "stride_hm")
+    facts = compile_sm90("tilefuse.kernels.norms", "norm_fwd_kernel", sig, consts, cfg.num_warps, 3,
+                         aligned=aligned)
+    assert facts["shared"] <= 227 * 1024, (cfg, facts, model)
+    assert facts["shared"] >= model // 2, ("the loop was not pipelined", cfg, facts, model)
+    assert facts["shared"] <= model + 2048, ("the model under-counts", cfg, facts, model)

@@ -35,13 +35,16 @@ def norm_fwd_kernel(
     SINGLE_PASS: tl.constexpr,  # N <= BLOCK_N: the row stays in registers, one read and one write
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PROGRAMS_PER_SM: tl.constexpr,  # grid size only (see the launcher); unused here
+    LOOP_STAGES: tl.constexpr,  # > 1: software-pipeline the loads of the innermost loop (cp.async)
 ):
     # Persistent loop over row tiles: a small grid keeps few long rows in flight at a time, so the
     # second pass of a chunked row re-reads it from L2 instead of HBM.
     pid = tl.program_id(0)
     num_tiles = tl.cdiv(M, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-    for tile in range(pid, num_tiles, tl.num_programs(0)):
+    # LOOP_STAGES > 1 on a persistent single-pass grid prefetches the next row tile while this one
+    # is reduced; on chunked rows (the tile loop is then not innermost) it prefetches the next chunk.
+    for tile in tl.range(pid, num_tiles, tl.num_programs(0), num_stages=LOOP_STAGES if SINGLE_PASS else 1):
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         rows = offs_m.to(tl.int64)  # M * stride can pass 2**31
@@ -74,7 +77,7 @@ def norm_fwd_kernel(
             # al.), which stays accurate when |mean| >> std, unlike sum and sum of squares.
             mean = tl.zeros((BLOCK_M,), tl.float32)
             m2 = tl.zeros((BLOCK_M,), tl.float32)
-            for n0 in range(0, N, BLOCK_N):
+            for n0 in tl.range(0, N, BLOCK_N, num_stages=LOOP_STAGES):
                 offs_n = n0 + offs_n0
                 mask_n = offs_n < N
                 mask = mask_m[:, None] & mask_n[None, :]
@@ -98,7 +101,7 @@ def norm_fwd_kernel(
             rstd = 1.0 / tl.sqrt(m2 / N + eps)
             if STORE_Y:
                 # Pass 2: normalize. With a residual, read the h just written (one tensor, not two).
-                for n0 in range(0, N, BLOCK_N):
+                for n0 in tl.range(0, N, BLOCK_N, num_stages=LOOP_STAGES):
                     offs_n = n0 + offs_n0
                     mask_n = offs_n < N
                     mask = mask_m[:, None] & mask_n[None, :]
@@ -266,32 +269,74 @@ def _warps_for(tile_elems: int) -> int:
     return max(4, min(16, tile_elems // 512))
 
 
+FWD_CHUNKS = (16384, 8192, 4096)  # chunk widths for rows walked in chunks (the first is the old fixed one)
+
+
 def _fwd_configs():
-    return [triton.Config(dict(BLOCK_M=bm, PROGRAMS_PER_SM=p), num_warps=w)
-            for bm in (1, 2, 4, 8, 16) for w in (4, 8, 16) for p in (1, 2, 4, 64)]
+    """Single pass (BLOCK_N = next_pow2(N) <= 16384, whole rows in registers) and chunked (two passes,
+    the second re-reading the row from L2). Long rows may take either: the autotuner measures.
+    Persistent pipelined variants (PROGRAMS_PER_SM 1-2, LOOP_STAGES > 1) keep more bytes in flight per
+    SM: a 16K-element row tile needs ~107 registers at 16 warps, so only one block fits per SM and its
+    loads stall while it reduces (4096x16384 bf16 ran at 56% of copy in the first H200 run). Within
+    each family the first entry is the config used before these variants existed (pinned in tests)."""
+    single = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=1 << i, SINGLE_PASS=True, PROGRAMS_PER_SM=p,
+                                 LOOP_STAGES=st), num_warps=w)
+              for i in range(15) for bm in (1, 2, 4, 8, 16) for w in (4, 8, 16)
+              for p, st in ((64, 1), (1, 3), (2, 2))]
+    chunked = [triton.Config(dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, PROGRAMS_PER_SM=p,
+                                  LOOP_STAGES=st), num_warps=w)
+               for bn in FWD_CHUNKS for w in (4, 8, 16) for p in (1, 2, 4) for st in (1, 3)]
+    return single + chunked
+
+
+def fwd_smem_bytes(cfg: triton.Config, elem_bytes: int, residual: bool, weight: bool, bias: bool) -> int:
+    """Upper bound on the pipelining buffers: LOOP_STAGES - 1 copies of every tile loaded inside the
+    pipelined loop -- x, the residual, and the weight and bias rows too (loop-invariant in the single
+    pass, yet the pipeliner buffers them: 4096x16384 bf16 with a residual and 3 stages compiled to 256 KB
+    for sm_90a). The chunked path counts both of its loops."""
+    k = cfg.kwargs
+    rows = k["BLOCK_M"] * (2 if residual else 1)
+    loads = rows + int(weight) + int(bias)
+    if not k["SINGLE_PASS"]:
+        loads += 1  # pass 2 re-reads x (or h)
+    return (k["LOOP_STAGES"] - 1) * k["BLOCK_N"] * elem_bytes * loads
+
+
+FWD_SMEM_BUDGET = 220 * 1024  # of the 227 KB a block may use; the rest for the reductions' scratch
 
 
 def _prune_fwd(configs, named_args, **kwargs):
-    """Keep a handful per shape: tiles of 2K-16K elements (BLOCK_M = 1 for chunked rows), warps near the
-    tile's need, and the persistent grid small (1-2/SM) only for chunked rows, where L2 reuse matters."""
-    block_n, single = kwargs["BLOCK_N"], kwargs["SINGLE_PASS"]
-    m = named_args["M"]
+    """Keep a handful per shape: single-pass tiles of 2K-16K elements, warps near the tile's need, the
+    persistent pipelined grid only for rows of >= 4K elements; chunked rows (BLOCK_M = 1, persistent
+    so that the second pass finds the row in L2) when the row is longer than one chunk."""
+    n, m = named_args["N"], named_args["M"]
+    x = named_args.get("x_ptr")
+    elem = x.element_size() if hasattr(x, "element_size") else 2
+    residual, weight, bias = (bool(kwargs.get(f)) for f in ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"))
+    full = triton.next_power_of_2(max(n, 1))
     keep = []
     for c in configs:
-        bm, w, p = c.kwargs["BLOCK_M"], c.num_warps, c.kwargs["PROGRAMS_PER_SM"]
-        tile = bm * block_n
-        if not single and bm != 1:
-            continue
-        if single and (tile > 16384 or (tile < 2048 and bm < 16) or bm > max(1, m)):
-            continue
-        if single and p != 64:
-            continue
-        if not single and p == 64:
+        bm, bn, w, p = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["PROGRAMS_PER_SM"]
+        tile = bm * bn
+        if c.kwargs["SINGLE_PASS"]:
+            if bn != full or full > GPU_MAX_BLOCK_N:
+                continue
+            if tile > 16384 or (tile < 2048 and bm < 16) or bm > max(1, m):
+                continue
+            if p != 64 and tile < 4096:
+                continue
+        elif bn >= full:
             continue
         if w not in (_warps_for(tile), max(4, _warps_for(tile) // 2)):
             continue
+        if fwd_smem_bytes(c, elem, residual, weight, bias) > FWD_SMEM_BUDGET:
+            continue
         keep.append(c)
-    return keep or [triton.Config(dict(BLOCK_M=1, PROGRAMS_PER_SM=64), num_warps=_warps_for(block_n))]
+    if keep:
+        return keep
+    bn = min(full, GPU_MAX_BLOCK_N)
+    return [triton.Config(dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=full <= GPU_MAX_BLOCK_N, PROGRAMS_PER_SM=64
+                               if full <= GPU_MAX_BLOCK_N else 2, LOOP_STAGES=1), num_warps=_warps_for(bn))]
 
 
 norm_fwd_autotuned = tuning.autotune(
@@ -319,11 +364,12 @@ def launch_norm_fwd(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, is_rms,
             y2d.stride(0) if y2d is not None else 0, h2d.stride(0) if h2d is not None else 0,
             float(eps), _m_bucket(M))
     flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=res2d is not None, HAS_WEIGHT=weight is not None,
-                 HAS_BIAS=bias is not None, STORE_Y=store_y, SINGLE_PASS=N <= block_n, BLOCK_N=block_n)
+                 HAS_BIAS=bias is not None, STORE_Y=store_y)
     if interpret:
         block_m = max(1, min(16, INTERPRETER_TILE_ELEMS // block_n))
         grid = (triton.cdiv(M, block_m),)
-        norm_fwd_kernel[grid](*args, **flags, BLOCK_M=block_m, PROGRAMS_PER_SM=64)
+        norm_fwd_kernel[grid](*args, **flags, SINGLE_PASS=N <= block_n, BLOCK_N=block_n, BLOCK_M=block_m,
+                              PROGRAMS_PER_SM=64, LOOP_STAGES=1)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n)
     sms = _num_sms(x2d.device)
 
@@ -332,8 +378,9 @@ def launch_norm_fwd(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, is_rms,
 
     norm_fwd_autotuned[grid](*args, **flags)
     cfg = norm_fwd_autotuned.best_config
-    return dict(BLOCK_M=cfg.kwargs["BLOCK_M"], BLOCK_N=block_n, warps=cfg.num_warps,
-                progs_per_sm=cfg.kwargs["PROGRAMS_PER_SM"])
+    return dict(BLOCK_M=cfg.kwargs["BLOCK_M"], BLOCK_N=cfg.kwargs["BLOCK_N"], warps=cfg.num_warps,
+                progs_per_sm=cfg.kwargs["PROGRAMS_PER_SM"], single_pass=cfg.kwargs["SINGLE_PASS"],
+                loop_stages=cfg.kwargs["LOOP_STAGES"])
 
 
 def _m_bucket(m: int) -> int:
