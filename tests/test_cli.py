@@ -29,3 +29,10 @@ def test_cli_info_and_unknown_op(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tilefuse", "report", "--ops", "nope", "--out", str(tmp_path)],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown op 'nope'" in bad.stderr
+
+
+def test_report_selects_bench_rows_by_dtype_and_label(tmp_path):
+    result = run_report(ops=["linear"], seeds=1, out_dir=tmp_path, show_progress=False,
+                        dtypes=["bf16"], case_filter=[r"^M(1|16) "])
+    rows = result["ops"]["linear"]["speed"]
+    assert [(r["case"], r["dtype"]) for r in rows] == [("M1 K4096 N4096 gelu", "bf16"), ("M16 K4096 N4096 gelu", "bf16")]

@@ -20,6 +20,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="report", help="output folder (default: ./report)")
     r.add_argument("--anchors", nargs="+", metavar="REGEX",
                    help="run only anchors whose whole name matches one of these regexes (eager unfused always runs)")
+    r.add_argument("--dtype", nargs="+", metavar="NAME", choices=["fp32", "fp16", "bf16"],
+                   help="only bench rows of these dtypes (accuracy cases all run)")
+    r.add_argument("--cases", nargs="+", metavar="REGEX",
+                   help="only bench rows whose label contains a match of one of these regexes")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     t = sub.add_parser("tune", help="autotune the kernels behind ops on this GPU and store the winners")
     t.add_argument("--ops", nargs="+", metavar="NAME", help="registry op names (default: all)")
@@ -87,7 +91,8 @@ def cmd_report(args) -> int:
             return 2
 
     result = run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
-                        anchor_filter=args.anchors, show_progress=not args.no_progress)
+                        anchor_filter=args.anchors, show_progress=not args.no_progress,
+                        dtypes=args.dtype, case_filter=args.cases)
     failed = [f"{name}: {a['case']} {a['dtype']}" for name, op in result["ops"].items()
               for a in op["accuracy"] if not a["pass"]]
     print(f"wrote {os.path.join(args.out, 'REPORT.md')}, report.json and plots")

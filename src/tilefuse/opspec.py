@@ -53,7 +53,7 @@ class OpSpec:
     accuracy_cases: dict[str, list[dict]]  # "cpu" / "gpu" -> params list
     flops: Callable[[dict], float]
     hbm_bytes: Callable[[dict], dict[str, float]]  # {"fused": bytes, "unfused": bytes}
-    bound: str  # "compute" or "memory": which ceiling the roofline % is taken against
+    bound: str  # "compute", "memory" or "read": which ceiling the roofline % is taken against
     anchors: Callable[[dict], dict[str, Callable[..., Any]]] = lambda params: {}
     config_used: Callable[[], str] = lambda: "n/a"
     tolerance: Callable[[dict], float] = lambda params: default_tolerance(params["dtype"])
@@ -66,6 +66,10 @@ class OpSpec:
         dtype_name(v) if isinstance(v, torch.dtype) else f"{k}={v}" for k, v in params.items()
         if isinstance(v, (torch.dtype, str, bool)) or v is None)
     extra: dict = field(default_factory=dict)
+    # A bench row may name its own ceiling with a "bound" key (decode GEMMs are bound by the weight read).
+
+    def bound_for(self, params: dict) -> str:
+        return params.get("bound", self.bound)
 
     def test_params(self, on_gpu: bool) -> list[dict]:
         if on_gpu:

@@ -112,12 +112,13 @@ def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_f
 
 
 def _roofline_pct(spec, params, row, ceilings) -> float | None:
-    if spec.bound == "compute":
+    bound = spec.bound_for(params)
+    if bound == "compute":
         key = {torch.bfloat16: "gemm_bf16_TFLOPs", torch.float16: "gemm_fp16_TFLOPs",
                torch.float32: "gemm_fp32_TFLOPs"}.get(params["dtype"])
         ceiling = ceilings.get(key)
         return 100 * row["tflops"] / ceiling if ceiling else None
-    ceiling = ceilings.get("read_TBps" if spec.bound == "read" else "copy_TBps")
+    ceiling = ceilings.get("read_TBps" if bound == "read" else "copy_TBps")
     return 100 * row["tbps"] / ceiling if ceiling else None
 
 
@@ -131,7 +132,7 @@ def _safe_bench(fn):
 
 
 def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filter=None,
-               show_progress=True) -> dict:
+               show_progress=True, dtypes=None, case_filter=None) -> dict:
     from rich.progress import Progress
 
     on_gpu = torch.cuda.is_available()
@@ -142,7 +143,13 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {}}
     result["ceilings"] = measure_ceilings() if on_gpu else {}
 
-    bench_plan = {s.name: (s.bench_cases[:2] if quick else s.bench_cases) for s in specs}
+    def selected(spec, params):
+        return ((dtypes is None or registry.dtype_name(params["dtype"]) in dtypes)
+                and (not case_filter or any(re.search(f, spec.label(params)) for f in case_filter)))
+
+    bench_plan = {s.name: [p for p in s.bench_cases if selected(s, p)] for s in specs}
+    if quick:
+        bench_plan = {name: cases[:2] for name, cases in bench_plan.items()}
     total = sum(len(s.accuracy_cases["gpu" if on_gpu else "cpu"]) * seeds for s in specs)
     total += sum(len(v) for v in bench_plan.values()) if on_gpu else 0
     with Progress(disable=not show_progress, transient=True) as progress:

@@ -12,6 +12,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # The foundation issue's five shapes (M, K, N): LLM MLP up-projections from GPT-2 to 7B size.
 BENCH_SHAPES = [(8192, 4096, 16384), (2048, 4096, 11008), (8192, 1024, 4096),
                 (16384, 768, 3072), (512, 4096, 4096)]
+# Decode (the Hopper issue's small-M target): M in {1, 16, 64}, K = N = 4096. Bound by the weight read.
+DECODE_SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096)]
 
 
 def random_normal(dtype, device, seed: int):
@@ -122,6 +124,7 @@ LINEAR = OpSpec(
         [dict(shape=s, dtype=BF16, activation="gelu", bias=True) for s in BENCH_SHAPES]
         + [dict(shape=s, dtype=FP16, activation="gelu", bias=True) for s in BENCH_SHAPES]
         + [dict(shape=s, dtype=FP32, activation="gelu", bias=True) for s in BENCH_SHAPES[2:4]]
+        + [dict(shape=s, dtype=BF16, activation="gelu", bias=True, bound="read") for s in DECODE_SHAPES]
     ),
     accuracy_cases={
         "cpu": [dict(shape=(33, 70, 45), dtype=d, activation="gelu", bias=True) for d in (FP32, FP16, BF16)],
