@@ -269,23 +269,26 @@ def _warps_for(tile_elems: int) -> int:
     return max(4, min(16, tile_elems // 512))
 
 
-FWD_CHUNKS = (16384, 8192, 4096)  # chunk widths for rows walked in chunks (the first is the old fixed one)
+# Chunked-row variants (BLOCK_N, warps, PROGRAMS_PER_SM, LOOP_STAGES): the old fixed choice first, then
+# pipelined ones; few enough that tuning one shape stays under ~20 s of compiles.
+FWD_CHUNKED = [(16384, 8, 1, 1), (16384, 16, 1, 2), (16384, 16, 2, 2), (16384, 8, 2, 2),
+               (8192, 8, 2, 3), (8192, 16, 2, 3), (8192, 8, 4, 3), (4096, 8, 4, 3), (4096, 4, 4, 3)]
 
 
 def _fwd_configs():
     """Single pass (BLOCK_N = next_pow2(N) <= 16384, whole rows in registers) and chunked (two passes,
-    the second re-reading the row from L2). Long rows may take either: the autotuner measures.
-    Persistent pipelined variants (PROGRAMS_PER_SM 1-2, LOOP_STAGES > 1) keep more bytes in flight per
-    SM: a 16K-element row tile needs ~107 registers at 16 warps, so only one block fits per SM and its
-    loads stall while it reduces (4096x16384 bf16 ran at 56% of copy in the first H200 run). Within
-    each family the first entry is the config used before these variants existed (pinned in tests)."""
+    the second re-reading the row from L2). Rows of >= 8K elements may take either: the autotuner
+    measures. Persistent pipelined variants (PROGRAMS_PER_SM 1-2, LOOP_STAGES > 1) keep more bytes in
+    flight per SM: a 16K-element row tile needs ~107 registers at 16 warps, so one block fits per SM
+    and its loads stall while it reduces (4096x16384 bf16 ran at 56% of copy in the first H200 run).
+    Within each family the first entry is the config used before these variants existed."""
     single = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=1 << i, SINGLE_PASS=True, PROGRAMS_PER_SM=p,
                                  LOOP_STAGES=st), num_warps=w)
               for i in range(15) for bm in (1, 2, 4, 8, 16) for w in (4, 8, 16)
               for p, st in ((64, 1), (1, 3), (2, 2))]
     chunked = [triton.Config(dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, PROGRAMS_PER_SM=p,
                                   LOOP_STAGES=st), num_warps=w)
-               for bn in FWD_CHUNKS for w in (4, 8, 16) for p in (1, 2, 4) for st in (1, 3)]
+               for bn, w, p, st in FWD_CHUNKED]
     return single + chunked
 
 
@@ -323,11 +326,11 @@ def _prune_fwd(configs, named_args, **kwargs):
                 continue
             if tile > 16384 or (tile < 2048 and bm < 16) or bm > max(1, m):
                 continue
-            if p != 64 and tile < 4096:
+            if p != 64 and (tile < 8192 or bm != 1):  # pipelined persistent grid: long rows only
                 continue
-        elif bn >= full:
-            continue
-        if w not in (_warps_for(tile), max(4, _warps_for(tile) // 2)):
+            if w not in (_warps_for(tile), max(4, _warps_for(tile) // 2)):
+                continue
+        elif bn >= full or full < 8192:
             continue
         if fwd_smem_bytes(c, elem, residual, weight, bias) > FWD_SMEM_BUDGET:
             continue
