@@ -109,3 +109,21 @@ def test_pipelined_norm_configs_fit_shared_memory(shape, residual):
     assert facts["shared"] <= 227 * 1024, (cfg, facts, model)
     assert facts["shared"] >= model // 2, ("the loop was not pipelined", cfg, facts, model)
     assert facts["shared"] <= model + 2048, ("the model under-counts", cfg, facts, model)
+
+
+def test_fp32_ieee_attention_tile_does_not_spill():
+    """fp32 "ieee" attention runs tl.dot on FMA units: the 16-bit tiles spilled 40-105 KB per thread
+    there (and took a minute to compile). The FMA-path tile chosen at d = 128 must not spill."""
+    import torch
+
+    from tilefuse.kernels import attention as att
+
+    q = torch.empty(1, dtype=torch.float32)
+    cfg = att._prune(att.attention_fwd_autotuned.configs, {"q_ptr": q}, BLOCK_D=128, USE_DESC=False,
+                     HAS_MASK=False, INPUT_PRECISION="ieee")[0]
+    assert cfg is att.heuristic_config(128, 4, "ieee")
+    consts = dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, STORE_LSE=True, EVEN_D=True,
+                  USE_DESC=False, INPUT_PRECISION="ieee", UPCAST_DOT=False, BLOCK_D=128, **cfg.kwargs)
+    facts = compile_sm90("tilefuse.kernels.attention", "attention_fwd_kernel", {"*": "*fp32"}, consts,
+                         cfg.num_warps, cfg.num_stages)
+    assert facts["spill_store_bytes"] == 0, (cfg, facts)

@@ -258,6 +258,10 @@ GPU_CONFIGS = [
     # d = 256: found by the offline sm_90a compile study (no spills with or without descriptors).
     _cfg(64, 32, 8, 3), _cfg(64, 64, 8, 2),
 ]
+# fp32 with input_precision="ieee" runs tl.dot on the FMA units, whose operand layouts hold far more per
+# thread: the 16-bit tiles above spill 40-105 KB per thread there and take 26-95 s to compile (sm_90a,
+# offline). These small tiles compile in 2-15 s with no or small spills (benchmarks/NOTES.md).
+FP32_IEEE_CONFIGS = [_cfg(32, 16, 4, 2), _cfg(16, 16, 4, 2), _cfg(64, 16, 4, 2)]
 SMEM_LIMIT = 227 * 1024  # H200: shared memory per block
 
 
@@ -282,6 +286,10 @@ def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     block_d = args["BLOCK_D"]
     elem = args["q_ptr"].element_size()
+    ieee = elem == 4 and args.get("INPUT_PRECISION") == "ieee"
+    if ieee:
+        return [fp32_ieee_config(block_d)]
+    configs = [c for c in configs if c not in FP32_IEEE_CONFIGS]
     kept = [c for c in configs
             if config_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, block_d, elem,
                            args.get("USE_DESC", True), args.get("HAS_MASK", False))]
@@ -294,7 +302,7 @@ def _prune(configs, named_args, **kwargs):
 
 attention_fwd_autotuned = tuning.autotune(
     name="attention_fwd",
-    configs=GPU_CONFIGS,
+    configs=GPU_CONFIGS + FP32_IEEE_CONFIGS,
     key=["Q_BUCKET", "K_BUCKET", "BLOCK_D", "HAS_LEFT", "HAS_RIGHT", "HAS_MASK", "MASK_IS_BOOL",
          "USE_DESC", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
@@ -305,7 +313,15 @@ attention_fwd_autotuned = tuning.autotune(
 AUTOTUNE_MIN_WORK = 512 * 512
 
 
-def heuristic_config(block_d: int, elem_bytes: int) -> triton.Config:
+def fp32_ieee_config(block_d: int) -> triton.Config:
+    """The FMA-path tile: 32x16 up to d = 64 (no spills), 16x16 above (no spills at d = 128, 148 bytes
+    at d = 256 -- the larger ones spill kilobytes)."""
+    return FP32_IEEE_CONFIGS[0] if block_d <= 64 else FP32_IEEE_CONFIGS[1]
+
+
+def heuristic_config(block_d: int, elem_bytes: int, input_precision: str = "tf32") -> triton.Config:
+    if elem_bytes == 4 and input_precision == "ieee":
+        return fp32_ieee_config(block_d)
     if block_d <= 64:
         return _cfg(128, 64, 4, 3)
     if block_d <= 128:
@@ -365,7 +381,7 @@ def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left,
         return cfg
 
     if Nq * Nk < AUTOTUNE_MIN_WORK:
-        cfg = heuristic_config(block_d, q.element_size())
+        cfg = heuristic_config(block_d, q.element_size(), input_precision)
         grid = (triton.cdiv(Nq, cfg.kwargs["BLOCK_M"]), B * Hq)
         attention_fwd_kernel[grid](*args, **flags, UPCAST_DOT=False, **cfg.kwargs,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -160,18 +160,24 @@ def prune_gated_configs(configs, named_args, **kwargs):
     return configs
 
 
-def prune_portable_configs(configs, named_args, **kwargs):
+def prune_portable_configs(configs, named_args, extra_smem=None, **kwargs):
     """The gated register rule, then shared memory: on the H200, fp32 gated 128x128x64 with 4 stages
     (ieee, 288 KB) and fp32 128x256x64 with 3 stages under tf32 (288 KB) failed to launch (the first
-    config, pinned in the GPU tests)."""
+    config, pinned in the GPU tests). ``extra_smem(config, elem_bytes)``: bytes a kernel built on this
+    main loop adds (layer_norm_linear re-lays out its normalized x tile through shared memory)."""
     x = named_args.get("x_ptr")
     elem = x.element_size() if hasattr(x, "element_size") else 4
     gated = bool(kwargs.get("GATED"))
     tensor_cores = not (elem == 4 and kwargs.get("INPUT_PRECISION", "ieee") == "ieee")
     kept = prune_gated_configs(configs, named_args, **kwargs)
+    if not tensor_cores:
+        # fp32 "ieee" runs tl.dot on the FMA units: 128x256 / 256x128 tiles spill ~4 KB per thread and take
+        # 3x longer to compile than 128x128 (sm_90a, offline); the H200 picked 128x128x32 anyway.
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or kept
     fits = [c for c in kept
             if portable_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
-                                   c.num_stages, elem, gated, tensor_cores) <= SMEM_LIMIT]
+                                   c.num_stages, elem, gated, tensor_cores)
+            + (extra_smem(c, elem) if extra_smem else 0) <= SMEM_LIMIT]
     return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
 
 
