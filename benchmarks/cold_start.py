@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+from rows import collect
+
 CASES = [  # (M, K, N, dtype, activation): the Hopper issue's bf16 rows
     (8192, 4096, 16384, "bfloat16", "gelu"),
     (512, 4096, 4096, "bfloat16", "gelu"),
@@ -60,14 +62,7 @@ def measure(case) -> dict:
 
 
 def main(out=None):
-    rows = []
-    for case in CASES:
-        row = measure(case)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(rows, f, indent=1)
+    collect((measure(case) for case in CASES), out)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Compiler facts (registers, spills, shared memory, wgmma) of the GEMM kernel variants for sm_90a,
 without a GPU. Run: PYTHONPATH=src python benchmarks/compile_check.py [OUT.json]"""
-import json
 import sys
 
+from rows import collect
 from tilefuse import tuning
 from tilefuse.harness.compiler import compile_sm90
 from tilefuse.kernels.gemm_epilogue import prune_gated_configs
@@ -20,18 +20,16 @@ def tma_variants():
                 yield activation, gated, c, ws, kept
 
 
-def main(out=None):
-    rows = []
+def facts_rows():
     for activation, gated, c, ws, kept in tma_variants():
         consts = dict(HAS_BIAS=True, ACTIVATION=activation, GATED=gated, NUM_SMS=132, BLOCK_M=c["bm"],
                       BLOCK_N=c["bn"], BLOCK_K=c["bk"], GROUP_M=8, EPILOGUE_SUBTILE=True, WARP_SPECIALIZE=ws)
         facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", "*bf16", consts, c["warps"], c["stages"])
-        row = {"kernel": "linear_tma", "activation": activation, **c, "ws": ws, "launcher_keeps": kept, **facts}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(rows, f, indent=1)
+        yield {"kernel": "linear_tma", "activation": activation, **c, "ws": ws, "launcher_keeps": kept, **facts}
+
+
+def main(out=None):
+    collect(facts_rows(), out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Run on the GPU:  PYTHONPATH=src python benchmarks/host_overhead.py [OUT.json]
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -23,6 +22,7 @@ import triton.testing
 
 import tilefuse
 import tilefuse.ops.linear as linear_op
+from rows import collect
 
 SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096), (512, 4096, 4096)]
 
@@ -60,26 +60,24 @@ def graph_us(fn, replays=200) -> float | str:
         return f"failed: {type(exc).__name__}: {str(exc)[:120]}"
 
 
+def measure(M, K, N) -> dict:
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    fused = lambda: tilefuse.linear(x, w, b, activation="gelu")  # noqa: E731
+    eager = lambda: F.gelu(F.linear(x, w, b))  # noqa: E731
+    row = {"shape": [M, K, N]}
+    for name, fn in (("tilefuse", fused), ("eager", eager)):
+        fn()
+        row[name] = {"host_us": host_us(fn), "device_us": graph_us(fn),
+                     "do_bench_us": triton.testing.do_bench(fn, return_mode="median") * 1e3}
+    row["tilefuse_path"] = dict(linear_op.last_config)
+    row["tilefuse_path"]["config"] = str(row["tilefuse_path"]["config"])
+    return row
+
+
 def main(out=None):
-    rows = []
-    for M, K, N in SHAPES:
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        fused = lambda: tilefuse.linear(x, w, b, activation="gelu")  # noqa: E731
-        eager = lambda: F.gelu(F.linear(x, w, b))  # noqa: E731
-        row = {"shape": [M, K, N]}
-        for name, fn in (("tilefuse", fused), ("eager", eager)):
-            fn()
-            row[name] = {"host_us": host_us(fn), "device_us": graph_us(fn),
-                         "do_bench_us": triton.testing.do_bench(fn, return_mode="median") * 1e3}
-        row["tilefuse_path"] = dict(linear_op.last_config)
-        row["tilefuse_path"]["config"] = str(row["tilefuse_path"]["config"])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(rows, f, indent=1)
+    collect((measure(*shape) for shape in SHAPES), out)
 
 
 if __name__ == "__main__":
