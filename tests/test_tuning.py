@@ -228,6 +228,16 @@ def test_shipped_table_is_used_and_user_cache_wins_over_it(tables, monkeypatch):
     assert launch(fresh, n=1000)["BLOCK"] == 128 and sorted(fresh.benched) == [64, 128, 256]
 
 
+def test_stored_config_the_prune_rejects_is_ignored(tables, monkeypatch):
+    # A shipped entry the kernel's prune would not keep for this launch (e.g. too much shared memory,
+    # or a tile that does not describe the row) is ignored with a warning; the pruned space is tuned.
+    store(tuning.shipped_table_path(SLUG), shipped_table({"tiny": {KEY_TEXT: entry_for(SPACE[2])}}))
+    tuner = make_tuner(monkeypatch, prune=lambda configs, named, **kw: [c for c in configs if c.kwargs["BLOCK"] < 256])
+    with pytest.warns(RuntimeWarning, match="prune rejects it"):
+        assert launch(tuner)["BLOCK"] == 128
+    assert sorted(tuner.benched) == [64, 128]
+
+
 def test_new_key_is_tuned_once_and_written_with_the_configs_it_beat(tables, monkeypatch):
     tuner = make_tuner(monkeypatch)
     assert launch(tuner)["BLOCK"] == 128 and sorted(tuner.benched) == [64, 128, 256]

@@ -393,10 +393,27 @@ class TableAutotuner(Autotuner):
         if found is not None:
             entry, source, path = found
             config = self._stored_config(entry, path)
+            if config is not None and not self._in_pruned_space(config, args, kwargs):
+                # A table entry must be one the live space keeps for this launch: a config that cannot
+                # fit it (shared memory) or does not describe it (a norm tile narrower than the row,
+                # marked single-pass) would fail or compute something else.
+                _warn(f"tilefuse: ignoring stored config {config.kwargs} for {self.name} in {path}: the "
+                      f"kernel's prune rejects it for key {text}")
+                config = None
             if config is not None:
                 self._remember(key, text, config, source, path, entry)
                 return key, text, [config]
         return key, text, list(self.configs)
+
+    def _in_pruned_space(self, config: triton.Config, args, kwargs) -> bool:
+        if not self.early_config_prune:
+            return True
+        self.nargs = dict(zip(self.arg_names, args))
+        try:
+            allowed = self.early_config_prune(self.configs, self.nargs, **kwargs)
+        finally:
+            self.nargs = None
+        return any(config_to_dict(c) == config_to_dict(config) for c in allowed)
 
     def _remember(self, key, text, config, source, path, entry) -> None:
         self.cache[key] = config
