@@ -127,3 +127,34 @@ def test_fp32_ieee_attention_tile_does_not_spill():
     facts = compile_sm90("tilefuse.kernels.attention", "attention_fwd_kernel", {"*": "*fp32"}, consts,
                          cfg.num_warps, cfg.num_stages)
     assert facts["spill_store_bytes"] == 0, (cfg, facts)
+
+
+@pytest.mark.parametrize("backward,dtype,algorithm", [(False, "bf16", "two_pass"), (False, "fp32", "online"),
+                                                      (True, "fp32", None)])
+def test_pipelined_softmax_loop_configs_fit_shared_memory(backward, dtype, algorithm):
+    """The softmax chunk loops with LOOP_STAGES > 1: the kept config with the largest modeled buffers
+    compiles (aligned rows, so the loads pipeline) within shared memory, and the model bounds it."""
+    import torch
+
+    from tilefuse.kernels import softmax as sm
+
+    t = torch.empty(1, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    named = {"y_ptr": t, "dy_ptr": t} if backward else {"x_ptr": t}
+    kept = sm._prune_loop(sm._LOOP_CONFIGS, named)
+    cfg = max(kept, key=lambda c: sm.loop_smem_bytes(c, t.element_size(), backward))
+    model = sm.loop_smem_bytes(cfg, t.element_size(), backward)
+    assert cfg.kwargs["LOOP_STAGES"] > 1 and model <= sm.LOOP_SMEM_BUDGET
+    consts = dict(SINGLE_BLOCK=False, WIDE=False, **cfg.kwargs)
+    if backward:
+        kernel, aligned = "softmax_bwd_kernel", ("y_ptr", "dy_ptr", "dx_ptr", "N", "stride_yo", "stride_yi",
+                                                 "stride_dyo", "stride_dyi", "stride_dxo", "stride_dxi")
+    else:
+        kernel, aligned = "softmax_fwd_kernel", ("x_ptr", "y_ptr", "N", "stride_xo", "stride_xi", "stride_yo",
+                                                 "stride_yi")
+        consts["ALGORITHM"] = algorithm
+    # Unit column strides, as a launch on contiguous rows specializes them.
+    consts.update({k: 1 for k in ("stride_xn", "stride_yn", "stride_dyn", "stride_dxn")
+                   if k in (("stride_yn", "stride_dyn", "stride_dxn") if backward else ("stride_xn", "stride_yn"))})
+    facts = compile_sm90("tilefuse.kernels.softmax", kernel, f"*{dtype}", consts, cfg.num_warps, 3, aligned=aligned)
+    assert 0 < facts["shared"] <= model + 2048 <= 227 * 1024, (cfg, facts, model)
+    assert facts["shared"] >= model // 3, ("the loops were not pipelined", cfg, facts, model)

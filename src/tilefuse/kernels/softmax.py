@@ -61,7 +61,7 @@ def _chunk_start(lo, c, n_chunks, REVERSE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _row_stats(x_rows, mask_m, lo, hi, stride_xn, ALGORITHM: tl.constexpr, WIDE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr = 1):
     """(m, d) per row over columns [lo, hi): the max and sum(exp(x - m)), both fp32 [BLOCK_M].
 
     Columns that are all -inf give (-inf, 0), so an all -inf segment adds nothing when segments
@@ -73,20 +73,21 @@ def _row_stats(x_rows, mask_m, lo, hi, stride_xn, ALGORITHM: tl.constexpr, WIDE:
     d_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # per-lane partial sums: one reduction at the end
     if ALGORITHM == "two_pass":
         m_acc = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-        for c in range(0, n_chunks):
+        for c in tl.range(0, n_chunks, num_stages=LOOP_STAGES):
             x = _load(x_rows, mask_m, lo + c * BLOCK_N + cols, hi, stride_xn, float("-inf"),
                       "evict_last", WIDE)
             m_acc = tl.maximum(m_acc, x)
         m = tl.max(m_acc, axis=1)
         m_ref = tl.where(m == float("-inf"), 0.0, m)
-        for c in range(0, n_chunks):  # backwards: the chunks read last are the ones still in L2
+        # Backwards: the chunks read last are the ones still in L2.
+        for c in tl.range(0, n_chunks, num_stages=LOOP_STAGES):
             start = _chunk_start(lo, c, n_chunks, True, BLOCK_N)
             x = _load(x_rows, mask_m, start + cols, hi, stride_xn, float("-inf"), "evict_last", WIDE)
             d_acc += tl.exp2((x - m_ref[:, None]) * LOG2E)
     else:
         # Online: the running max m and the lane sums rescaled by exp(m_old - m_new) when m grows.
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for c in range(0, n_chunks):
+        for c in tl.range(0, n_chunks, num_stages=LOOP_STAGES):
             x = _load(x_rows, mask_m, lo + c * BLOCK_N + cols, hi, stride_xn, float("-inf"),
                       "evict_last", WIDE)
             m_new = tl.maximum(m, tl.max(x, axis=1))
@@ -99,11 +100,12 @@ def _row_stats(x_rows, mask_m, lo, hi, stride_xn, ALGORITHM: tl.constexpr, WIDE:
 
 @triton.jit
 def _write_probs(x_rows, y_rows, mask_m, lo, hi, stride_xn, stride_yn, m, inv_d,
-                 REVERSE: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr):
+                 REVERSE: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LOOP_STAGES: tl.constexpr = 1):
     """y = exp(x - m) * inv_d over columns [lo, hi), walking in the direction that starts in L2."""
     cols = tl.arange(0, BLOCK_N)
     n_chunks = tl.cdiv(hi - lo, BLOCK_N)
-    for c in range(0, n_chunks):
+    for c in tl.range(0, n_chunks, num_stages=LOOP_STAGES):
         offs_n = _chunk_start(lo, c, n_chunks, REVERSE, BLOCK_N) + cols
         x = _load(x_rows, mask_m, offs_n, hi, stride_xn, float("-inf"), "evict_first", WIDE)
         _store(y_rows, mask_m, offs_n, hi, stride_yn, tl.exp2((x - m[:, None]) * LOG2E) * inv_d[:, None],
@@ -112,10 +114,10 @@ def _write_probs(x_rows, y_rows, mask_m, lo, hi, stride_xn, stride_yn, m, inv_d,
 
 @triton.jit
 def _row_dot(y_rows, dy_rows, mask_m, lo, hi, stride_yn, stride_dyn, WIDE: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr = 1):
     cols = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
         y = _load(y_rows, mask_m, start + cols, hi, stride_yn, 0.0, "evict_last", WIDE)
         dy = _load(dy_rows, mask_m, start + cols, hi, stride_dyn, 0.0, "evict_last", WIDE)
         acc += y * dy
@@ -124,10 +126,10 @@ def _row_dot(y_rows, dy_rows, mask_m, lo, hi, stride_yn, stride_dyn, WIDE: tl.co
 
 @triton.jit
 def _write_grad(y_rows, dy_rows, dx_rows, mask_m, lo, hi, stride_yn, stride_dyn, stride_dxn, dot,
-                WIDE: tl.constexpr, BLOCK_N: tl.constexpr):
+                WIDE: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr = 1):
     cols = tl.arange(0, BLOCK_N)
     n_chunks = tl.cdiv(hi - lo, BLOCK_N)
-    for c in range(0, n_chunks):  # backwards, after the forward dot pass
+    for c in tl.range(0, n_chunks, num_stages=LOOP_STAGES):  # backwards, after the forward dot pass
         offs_n = _chunk_start(lo, c, n_chunks, True, BLOCK_N) + cols
         y = _load(y_rows, mask_m, offs_n, hi, stride_yn, 0.0, "evict_first", WIDE)
         dy = _load(dy_rows, mask_m, offs_n, hi, stride_dyn, 0.0, "evict_first", WIDE)
@@ -174,6 +176,7 @@ def softmax_fwd_kernel(
     KEY_N, KEY_R,  # autotune keys only: power-of-two buckets of N and of R_INNER
     ALGORITHM: tl.constexpr, SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOOP_STAGES: tl.constexpr = 1,  # > 1: software-pipeline the chunk loops' loads (cp.async)
 ):
     outer, offs_i, mask_m = _tile_rows(R_INNER, BLOCK_M)
     x_rows = x_ptr + outer * stride_xo + offs_i * stride_xi
@@ -187,10 +190,10 @@ def softmax_fwd_kernel(
         inv_d = 1.0 / tl.sum(p, axis=1)
         _store(y_rows, mask_m, offs_n, N, stride_yn, p * inv_d[:, None], WIDE)
     else:
-        m, d = _row_stats(x_rows, mask_m, 0, N, stride_xn, ALGORITHM, WIDE, BLOCK_M, BLOCK_N)
+        m, d = _row_stats(x_rows, mask_m, 0, N, stride_xn, ALGORITHM, WIDE, BLOCK_M, BLOCK_N, LOOP_STAGES)
         # two_pass ended its sum pass at the row start, online its stats pass at the row end.
         _write_probs(x_rows, y_rows, mask_m, 0, N, stride_xn, stride_yn, m, 1.0 / d,
-                     ALGORITHM == "online", WIDE, BLOCK_N)
+                     ALGORITHM == "online", WIDE, BLOCK_N, LOOP_STAGES)
 
 
 @triton.jit
@@ -247,6 +250,7 @@ def softmax_bwd_kernel(
     KEY_N, KEY_R,
     SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOOP_STAGES: tl.constexpr = 1,  # > 1: software-pipeline the chunk loops' loads (cp.async)
 ):
     outer, offs_i, mask_m = _tile_rows(R_INNER, BLOCK_M)
     y_rows = y_ptr + outer * stride_yo + offs_i * stride_yi
@@ -259,9 +263,10 @@ def softmax_bwd_kernel(
         dot = tl.sum(y * dy, axis=1)
         _store(dx_rows, mask_m, offs_n, N, stride_dxn, y * (dy - dot[:, None]), WIDE)
     else:
-        dot = _row_dot(y_rows, dy_rows, mask_m, 0, N, stride_yn, stride_dyn, WIDE, BLOCK_M, BLOCK_N)
+        dot = _row_dot(y_rows, dy_rows, mask_m, 0, N, stride_yn, stride_dyn, WIDE, BLOCK_M, BLOCK_N,
+                       LOOP_STAGES)
         _write_grad(y_rows, dy_rows, dx_rows, mask_m, 0, N, stride_yn, stride_dyn, stride_dxn, dot,
-                    WIDE, BLOCK_N)
+                    WIDE, BLOCK_N, LOOP_STAGES)
 
 
 @triton.jit
@@ -399,8 +404,28 @@ def _prune_block(configs, named_args, **kwargs):
     return [c for c in configs if (c.kwargs["BLOCK_M"], c.num_warps) in keep]
 
 
-_LOOP_CONFIGS = [triton.Config({"BLOCK_M": 1, "BLOCK_N": bn}, num_warps=_warps(bn))
-                 for bn in (2048, 4096, 8192)]
+# Chunk loops: the first three are the original space; LOOP_STAGES = 3 pipelines the loads, so an SM
+# keeps more than one chunk in flight per row (one chunk per program at a time is ~55% of copy on the
+# H200 for the norms' loop, which has the same shape).
+_LOOP_CONFIGS = ([triton.Config({"BLOCK_M": 1, "BLOCK_N": bn, "LOOP_STAGES": 1}, num_warps=_warps(bn))
+                  for bn in (2048, 4096, 8192)]
+                 + [triton.Config({"BLOCK_M": 1, "BLOCK_N": bn, "LOOP_STAGES": 3}, num_warps=_warps(bn))
+                    for bn in (2048, 4096, 8192)])
+LOOP_SMEM_BUDGET = 220 * 1024
+
+
+def loop_smem_bytes(cfg: triton.Config, elem_bytes: int, backward: bool) -> int:
+    """Upper bound on the pipelining buffers: LOOP_STAGES - 1 copies of each chunk loaded in each loop
+    (forward: up to three loops of x, for two_pass; backward: two loops of y and dy)."""
+    loads = 4 if backward else 3
+    return (cfg.kwargs["LOOP_STAGES"] - 1) * cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"] * elem_bytes * loads
+
+
+def _prune_loop(configs, named_args, **kwargs):
+    backward = "dy_ptr" in named_args
+    t = named_args["y_ptr"] if backward else named_args["x_ptr"]
+    elem = t.element_size() if hasattr(t, "element_size") else 4
+    return [c for c in configs if loop_smem_bytes(c, elem, backward) <= LOOP_SMEM_BUDGET] or configs[:1]
 
 softmax_fwd_block_tuned = tuning.autotune(
     name="softmax_fwd_block",
@@ -408,14 +433,16 @@ softmax_fwd_block_tuned = tuning.autotune(
     prune_configs_by={"early_config_prune": _prune_block})(softmax_fwd_kernel)
 softmax_fwd_loop_tuned = tuning.autotune(
     name="softmax_fwd_loop",
-    configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "ALGORITHM", "WIDE"])(softmax_fwd_kernel)
+    configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "ALGORITHM", "WIDE"],
+    prune_configs_by={"early_config_prune": _prune_loop})(softmax_fwd_kernel)
 softmax_bwd_block_tuned = tuning.autotune(
     name="softmax_bwd_block",
     configs=_block_config_space(), key=["KEY_N", "KEY_R", "WIDE"],
     prune_configs_by={"early_config_prune": _prune_block})(softmax_bwd_kernel)
 softmax_bwd_loop_tuned = tuning.autotune(
     name="softmax_bwd_loop",
-    configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "WIDE"])(softmax_bwd_kernel)
+    configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "WIDE"],
+    prune_configs_by={"early_config_prune": _prune_loop})(softmax_bwd_kernel)
 
 # When False, the GPU runs the heuristic plan as is (no autotune): a switch for quick GPU checks.
 AUTOTUNE = True
@@ -514,6 +541,7 @@ def _launch_rows(kernel, block_tuned, loop_tuned, p: Plan, args, common, n_outer
             return f"{name} block {cfg.kwargs['BLOCK_M']}x{p.block_n} w{cfg.num_warps} (tuned)"
         loop_tuned[grid](*args, **common)
         cfg = loop_tuned.best_config
-        return f"{name} loop 1x{cfg.kwargs['BLOCK_N']} w{cfg.num_warps} (tuned)"
+        return (f"{name} loop 1x{cfg.kwargs['BLOCK_N']} w{cfg.num_warps} stages {cfg.kwargs['LOOP_STAGES']}"
+                " (tuned)")
     kernel[grid](*args, **common, BLOCK_M=p.block_m, BLOCK_N=p.block_n, num_warps=p.num_warps)
     return f"{name} {p.describe()}"
