@@ -231,3 +231,21 @@ def test_million_column_rows(rows, algorithm):
     (dx64,) = torch.autograd.grad(y64, x64, dy.double())
     assert_close(y, y64, 1e-5, f"1M fwd {rows} {algorithm}")
     assert_close(dx, dx64, 1e-5, f"1M bwd {rows} {algorithm}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="drives the GPU launch path through the interpreter")
+@pytest.mark.parametrize("single", [True, False])
+def test_long_row_tuner_runs_either_choice(single, monkeypatch):
+    """Rows of 8K-16K go to a tuner that may pick one block per row or the pipelined chunk loop; both
+    must give the softmax. The GPU plan is forced here and the tuner pinned to one of its choices."""
+    tuner = K.softmax_fwd_long_tuned
+    chosen = next(c for c in tuner.configs if c.kwargs["SINGLE_BLOCK"] == single and c.kwargs["BLOCK_N"] in (16384, 4096)
+                  and c.kwargs["LOOP_STAGES"] == (1 if single else 3))
+    monkeypatch.setattr(K, "_caps", lambda interpret, device: K.GPU_CAPS)
+    monkeypatch.setattr(tuner, "pinned", True)
+    monkeypatch.setattr(tuner, "configs", [chosen])
+    monkeypatch.setattr(tuner, "cache", {})
+    x = torch.randn(3, 10000, generator=torch.Generator().manual_seed(1)) * 4
+    y = S.softmax(x, dim=-1)
+    assert_close(y, torch.softmax(x.double(), -1), 1e-5, f"long row single={single}")
+    assert tuner.best_config is chosen

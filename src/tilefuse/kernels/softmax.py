@@ -444,6 +444,42 @@ softmax_bwd_loop_tuned = tuning.autotune(
     configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "WIDE"],
     prune_configs_by={"early_config_prune": _prune_loop})(softmax_bwd_kernel)
 
+# Rows of 8K-16K elements (forward): one row per program held in registers (~100 registers per thread
+# at 16 warps, so one block per SM with no loads in flight while it reduces -- the norms' single pass
+# ran at 56% of copy so) or the pipelined chunk loop, which re-reads the row from L2. The autotuner
+# measures both. The single-block configs come first, in the block tuner's order (the pinned choice).
+LONG_ROW_MIN_N = 8192
+
+
+def _long_row_configs():
+    single = [triton.Config({"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_N": bn, "SINGLE_BLOCK": True,
+                             "LOOP_STAGES": 1}, num_warps=c.num_warps)
+              for bn in (8192, 16384) for c in _block_config_space() if c.kwargs["BLOCK_M"] <= 2]
+    loop = [triton.Config({"BLOCK_M": 1, "BLOCK_N": bn, "SINGLE_BLOCK": False, "LOOP_STAGES": st},
+                          num_warps=_warps(bn)) for bn in (2048, 4096) for st in (1, 3)]
+    return single + loop
+
+
+def _prune_long(configs, named_args, **kwargs):
+    full = _pow2(named_args["N"])
+    single_kept = {(c.kwargs["BLOCK_M"], c.num_warps)
+                   for c in _prune_block(_block_config_space(), {**named_args, "BLOCK_N": full})}
+    elem = named_args["x_ptr"].element_size()
+    keep = []
+    for c in configs:
+        if c.kwargs["SINGLE_BLOCK"]:
+            if c.kwargs["BLOCK_N"] == full and (c.kwargs["BLOCK_M"], c.num_warps) in single_kept:
+                keep.append(c)
+        elif c.kwargs["BLOCK_N"] < full and loop_smem_bytes(c, elem, False) <= LOOP_SMEM_BUDGET:
+            keep.append(c)
+    return keep
+
+
+softmax_fwd_long_tuned = tuning.autotune(
+    name="softmax_fwd_long",
+    configs=_long_row_configs(), key=["KEY_N", "KEY_R", "ALGORITHM", "WIDE"],
+    prune_configs_by={"early_config_prune": _prune_long})(softmax_fwd_kernel)
+
 # When False, the GPU runs the heuristic plan as is (no autotune): a switch for quick GPU checks.
 AUTOTUNE = True
 
@@ -497,10 +533,19 @@ def launch_softmax_forward(x, y, layout: RowLayout, algorithm: str, interpret: b
                                          BLOCK_N=p.block_n, BLOCK_S=_pow2(p.segments),
                                          num_warps=p.num_warps)
         return f"{algorithm} {p.describe()}"
-    # One tile per row: both algorithms are the same single read, so compile one variant.
-    kernel_algorithm = "online" if p.mode == "block" else algorithm
     n_outer = R // r_inner
     args = (x, y, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(r_inner))
+    if p.mode == "block" and p.tuned and AUTOTUNE and p.block_n >= LONG_ROW_MIN_N:
+        def grid(meta):
+            return (n_outer * triton.cdiv(r_inner, meta["BLOCK_M"]),)
+
+        softmax_fwd_long_tuned[grid](*args, ALGORITHM=algorithm, WIDE=wide)
+        cfg = softmax_fwd_long_tuned.best_config
+        k = cfg.kwargs
+        how = "block" if k["SINGLE_BLOCK"] else f"loop stages {k['LOOP_STAGES']}"
+        return f"{algorithm} {how} {k['BLOCK_M']}x{k['BLOCK_N']} w{cfg.num_warps} (tuned)"
+    # One tile per row: both algorithms are the same single read, so compile one variant.
+    kernel_algorithm = "online" if p.mode == "block" else algorithm
     common = dict(ALGORITHM=kernel_algorithm, SINGLE_BLOCK=p.mode == "block", WIDE=wide)
     return _launch_rows(softmax_fwd_kernel, softmax_fwd_block_tuned, softmax_fwd_loop_tuned,
                         p, args, common, n_outer, r_inner, algorithm)
