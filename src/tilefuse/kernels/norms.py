@@ -142,6 +142,26 @@ def _grad_terms(dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, offs_m, mask_m, rows, 
 
 
 @triton.jit
+def _add_column_sums(dw_acc, db_acc, dy, x_hat, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr):
+    """One row tile's contribution to the dweight / dbias partial rows (kept in registers)."""
+    if COMPUTE_DW:
+        dw_acc += tl.sum(dy * x_hat, axis=0)
+    if COMPUTE_DB:
+        db_acc += tl.sum(dy, axis=0)
+    return dw_acc, db_acc
+
+
+@triton.jit
+def _store_column_sums(dw_part_ptr, db_part_ptr, part_row, N, offs_n, mask_n, dw_acc, db_acc,
+                       COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr):
+    """This program's fp32 partial rows; their sum over programs is taken afterwards in a fixed order."""
+    if COMPUTE_DW:
+        tl.store(dw_part_ptr + part_row * N + offs_n, dw_acc, mask=mask_n)
+    if COMPUTE_DB:
+        tl.store(db_part_ptr + part_row * N + offs_n, db_acc, mask=mask_n)
+
+
+@triton.jit
 def _dx(wdy, x_hat, c1, c2, rstd, IS_RMS: tl.constexpr):
     """dx = rstd * (w*dy - x_hat*c1 - c2), c1 = mean(x_hat*w*dy), c2 = mean(w*dy) (absent for RMS)."""
     if IS_RMS:
@@ -179,14 +199,8 @@ def norm_bwd_kernel(
         if HAS_DH:  # h was also an output (residual stream): its own gradient joins here
             dx += tl.load(dh_ptr + rows[:, None] * stride_dhm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        if COMPUTE_DW:
-            dw_acc += tl.sum(dy * x_hat, axis=0)
-        if COMPUTE_DB:
-            db_acc += tl.sum(dy, axis=0)
-    if COMPUTE_DW:
-        tl.store(dw_part_ptr + pid * N + offs_n, dw_acc, mask=mask_n)
-    if COMPUTE_DB:
-        tl.store(db_part_ptr + pid * N + offs_n, db_acc, mask=mask_n)
+        dw_acc, db_acc = _add_column_sums(dw_acc, db_acc, dy, x_hat, COMPUTE_DW, COMPUTE_DB)
+    _store_column_sums(dw_part_ptr, db_part_ptr, pid, N, offs_n, mask_n, dw_acc, db_acc, COMPUTE_DW, COMPUTE_DB)
 
 
 @triton.jit
@@ -218,14 +232,8 @@ def norm_bwd_chunk_sums_kernel(
         dots = dots_ptr + (rows * NUM_CHUNKS + pid_c) * 2
         tl.store(dots, tl.sum(x_hat * wdy, axis=1), mask=mask_m)
         tl.store(dots + 1, tl.sum(wdy, axis=1), mask=mask_m)
-        if COMPUTE_DW:
-            dw_acc += tl.sum(dy * x_hat, axis=0)
-        if COMPUTE_DB:
-            db_acc += tl.sum(dy, axis=0)
-    if COMPUTE_DW:
-        tl.store(dw_part_ptr + pid_g * N + offs_n, dw_acc, mask=mask_n)
-    if COMPUTE_DB:
-        tl.store(db_part_ptr + pid_g * N + offs_n, db_acc, mask=mask_n)
+        dw_acc, db_acc = _add_column_sums(dw_acc, db_acc, dy, x_hat, COMPUTE_DW, COMPUTE_DB)
+    _store_column_sums(dw_part_ptr, db_part_ptr, pid_g, N, offs_n, mask_n, dw_acc, db_acc, COMPUTE_DW, COMPUTE_DB)
 
 
 @triton.jit
