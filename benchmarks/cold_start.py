@@ -18,29 +18,27 @@ import time
 
 from rows import collect
 
-CASES = [  # (M, K, N, dtype, activation): the Hopper issue's bf16 rows
-    (8192, 4096, 16384, "bfloat16", "gelu"),
-    (512, 4096, 4096, "bfloat16", "gelu"),
-    (16, 4096, 4096, "bfloat16", "gelu"),
-    (2048, 4096, 11008, "bfloat16", "swiglu"),
+CASES = [  # (registry op, params): the Hopper issue's bf16 rows
+    ("linear", dict(shape=(8192, 4096, 16384), activation="gelu")),
+    ("linear", dict(shape=(512, 4096, 4096), activation="gelu")),
+    ("linear", dict(shape=(16, 4096, 4096), activation="gelu")),
+    ("gated_linear", dict(shape=(2048, 4096, 11008), activation="swiglu", weight_form="concat")),
 ]
 
 CHILD = r"""
 import json, sys, time
 t0 = float(sys.argv[1])
 import torch
-import tilefuse
-from tilefuse import tuning
-M, K, N, dtype, act = json.loads(sys.argv[2])
-dt = getattr(torch, dtype)
-x = torch.randn(M, K, device="cuda", dtype=dt)
-w = torch.randn((2 * N if act == "swiglu" else N), K, device="cuda", dtype=dt) / K ** 0.5
-b = torch.randn(w.shape[0], device="cuda", dtype=dt)
+from tilefuse import registry, tuning
+op, params = json.loads(sys.argv[2])
+params = dict(params, shape=tuple(params["shape"]), dtype=torch.bfloat16, bias=True)
+spec = registry.get(op)
+inputs = spec.make_inputs(params, torch.device("cuda"), 0)
 t_ready = time.time()
-y = tilefuse.linear(x, w, b, activation=act)
+spec.fused(**inputs)
 torch.cuda.synchronize()
 t_first = time.time()
-y = tilefuse.linear(x, w, b, activation=act)
+spec.fused(**inputs)
 torch.cuda.synchronize()
 t_second = time.time()
 sources = sorted({r.get("source", "?") for r in tuning.tuning_records()})

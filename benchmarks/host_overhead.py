@@ -6,7 +6,7 @@ kernels measures the host, not the GPU. For each shape this prints:
   autotuner lookup, Triton's launcher), averaged over many calls after warm-up;
 - device_us: the same call captured in a CUDA graph and replayed (launch cost gone: the kernels alone);
 - do_bench_us: what the report measures;
-- the same three numbers for eager F.linear + F.gelu, the anchor.
+- the same three numbers for eager F.linear + F.gelu (the registry's reference), the anchor.
 If host_us > device_us, the report's number for that shape is the host's.
 
 Run on the GPU:  PYTHONPATH=src python benchmarks/host_overhead.py [OUT.json]
@@ -17,11 +17,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 import triton.testing
 
-import tilefuse
 import tilefuse.ops.linear as linear_op
+from tilefuse import registry
 from rows import collect
 
 SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096), (512, 4096, 4096)]
@@ -61,11 +60,11 @@ def graph_us(fn, replays=200) -> float | str:
 
 
 def measure(M, K, N) -> dict:
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-    b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    fused = lambda: tilefuse.linear(x, w, b, activation="gelu")  # noqa: E731
-    eager = lambda: F.gelu(F.linear(x, w, b))  # noqa: E731
+    spec = registry.get("linear")  # the report's inputs, fused call and eager reference
+    inputs = spec.make_inputs(dict(shape=(M, K, N), dtype=torch.bfloat16, activation="gelu", bias=True),
+                              torch.device("cuda"), 0)
+    fused = lambda: spec.fused(**inputs)  # noqa: E731
+    eager = lambda: spec.reference(**inputs)  # noqa: E731
     row = {"shape": [M, K, N]}
     for name, fn in (("tilefuse", fused), ("eager", eager)):
         fn()
