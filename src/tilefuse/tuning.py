@@ -380,11 +380,7 @@ class TableAutotuner(Autotuner):
         if key in self.cache:
             return key, text, [self.cache[key]]
         if self.pinned:
-            self.nargs = dict(zip(self.arg_names, args))
-            try:
-                config = self.prune_configs(kwargs)[0]
-            finally:
-                self.nargs = None
+            config = self._pruned(args, kwargs)[0]
             self._remember(key, text, config, "pinned (TILEFUSE_AUTOTUNE=0)", None, {"timings": []})
             return key, text, [config]
         device_name = _device_name(args)
@@ -405,15 +401,24 @@ class TableAutotuner(Autotuner):
                 return key, text, [config]
         return key, text, list(self.configs)
 
-    def _in_pruned_space(self, config: triton.Config, args, kwargs) -> bool:
-        if not self.early_config_prune:
-            return True
+    def _pruned(self, args, kwargs, also: triton.Config | None = None) -> list[triton.Config]:
+        """What the kernel's prune keeps for this launch from its space (plus ``also``, a stored config
+        that may lie outside it); triton's prune reads self.nargs."""
         self.nargs = dict(zip(self.arg_names, args))
         try:
-            allowed = self.early_config_prune(self.configs, self.nargs, **kwargs)
+            if also is None:
+                return self.prune_configs(kwargs)
+            return self.early_config_prune(self.configs + [also], self.nargs, **kwargs)
         finally:
             self.nargs = None
-        return any(config_to_dict(c) == config_to_dict(config) for c in allowed)
+
+    def _in_pruned_space(self, config: triton.Config, args, kwargs) -> bool:
+        """A stored config passes the kernel's own prune rules for this launch (it may still be one the
+        space does not list: hand-tuned entries are honoured)."""
+        if not self.early_config_prune:
+            return True
+        wanted = config_to_dict(config)
+        return any(config_to_dict(c) == wanted for c in self._pruned(args, kwargs, also=config))
 
     def _remember(self, key, text, config, source, path, entry) -> None:
         self.cache[key] = config

@@ -260,8 +260,9 @@ GPU_CONFIGS = [
 ]
 # fp32 with input_precision="ieee" runs tl.dot on the FMA units, whose operand layouts hold far more per
 # thread: the 16-bit tiles above spill 40-105 KB per thread there and take 26-95 s to compile (sm_90a,
-# offline). These small tiles compile in 2-15 s with no or small spills (benchmarks/NOTES.md).
-FP32_IEEE_CONFIGS = [_cfg(32, 16, 4, 2), _cfg(16, 16, 4, 2), _cfg(64, 16, 4, 2)]
+# offline). These small tiles compile in 4-8 s with no spills but 148 bytes at d = 256
+# (benchmarks/NOTES.md): 32x16 up to d = 64, 16x16 above.
+FP32_IEEE_CONFIGS = [_cfg(32, 16, 4, 2), _cfg(16, 16, 4, 2)]
 SMEM_LIMIT = 227 * 1024  # H200: shared memory per block
 
 
