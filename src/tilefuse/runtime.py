@@ -31,3 +31,16 @@ def execution_path(t: torch.Tensor) -> str:
 
 def default_path() -> str:
     return COMPILED if torch.cuda.is_available() else (INTERPRETER if interpreter_enabled() else REFERENCE)
+
+
+_DEVICE_FACTS: dict = {}
+
+
+def device_facts(device: torch.device) -> tuple[int, int]:
+    """(major compute capability, SM count) of a CUDA device, cached: the driver queries cost
+    microseconds, and launchers ask on every call."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _DEVICE_FACTS:
+        props = torch.cuda.get_device_properties(key)
+        _DEVICE_FACTS[key] = (props.major, props.multi_processor_count)
+    return _DEVICE_FACTS[key]

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
+from tilefuse.runtime import device_facts
 
 LOG2E = 1.4426950408889634
 # A finite additive mask below this would overflow to -inf once multiplied by log2(e); clamping keeps
@@ -358,7 +359,7 @@ def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left,
     block_d = max(16, triton.next_power_of_2(d))
     if use_desc is None:
         # Descriptors on the GPU only (portable pointer path in the interpreter); both paths are tested.
-        use_desc = (not interpret and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+        use_desc = (not interpret and q.is_cuda and device_facts(q.device)[0] >= 9
                     and descriptors_usable(q, k, v, out))
     if use_desc:
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))

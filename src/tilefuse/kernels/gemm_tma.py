@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
+from tilefuse.runtime import device_facts
 from tilefuse.kernels.tiling import grouped_tile
 from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
 from tilefuse.kernels.gemm_epilogue import prune_gated_configs
@@ -121,16 +122,6 @@ def tma_supported(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
 
 
 _allocator_set = False
-_DEVICE_FACTS: dict = {}
-
-
-def device_facts(device) -> tuple[int, int]:
-    """(major compute capability, SM count), cached: these queries cost microseconds on every call."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _DEVICE_FACTS:
-        props = torch.cuda.get_device_properties(key)
-        _DEVICE_FACTS[key] = (props.major, props.multi_processor_count)
-    return _DEVICE_FACTS[key]
 
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
+from tilefuse.runtime import device_facts
 
 # Chunk caps. On the GPU a 16K-element chunk keeps <= 32 fp32 values per thread at 16 warps; under the
 # interpreter the cap is tiny so that a 300-long test row already takes the chunked path.
@@ -269,7 +270,7 @@ def norm_bwd_dx_kernel(
 # Launchers: grid and config only.
 
 def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return device_facts(device)[1]
 
 
 def _warps_for(tile_elems: int) -> int:

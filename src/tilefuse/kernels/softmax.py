@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
+from tilefuse.runtime import device_facts
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(z) = exp2(z * log2(e)): ex2 is the hardware unit
 
@@ -501,7 +502,7 @@ class RowLayout:
 def _caps(interpret: bool, device: torch.device) -> Caps:
     if interpret:
         return INTERPRETER_CAPS
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = device_facts(device)[1]
     return GPU_CAPS if sms == GPU_CAPS.num_sms else Caps(**{**GPU_CAPS.__dict__, "num_sms": sms})
 
 

@@ -78,9 +78,7 @@ def _split_k(M: int, N: int, K: int, device) -> int:
     if device.type != "cuda":
         return 1
     from tilefuse.kernels.gemm_epilogue import split_k_for
-    from tilefuse.kernels.gemm_tma import device_facts
-
-    return split_k_for(M, N, K, device_facts(device)[1])
+    return split_k_for(M, N, K, runtime.device_facts(device)[1])
 
 
 def _row_addressing(x: torch.Tensor):
