@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tilefuse import tuning
-from tilefuse.runtime import device_facts
+from tilefuse import runtime, tuning
+from tilefuse.kernels.tiling import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
 # A finite additive mask below this would overflow to -inf once multiplied by log2(e); clamping keeps
@@ -356,10 +356,10 @@ def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left,
     """
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     if use_desc is None:
         # Descriptors on the GPU only (portable pointer path in the interpreter); both paths are tested.
-        use_desc = (not interpret and q.is_cuda and device_facts(q.device)[0] >= 9
+        use_desc = (not interpret and q.is_cuda and runtime.device_facts(q.device)[0] >= 9
                     and descriptors_usable(q, k, v, out))
     if use_desc:
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))
@@ -378,19 +378,19 @@ def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left,
                  USE_DESC=use_desc, INPUT_PRECISION=input_precision, BLOCK_D=block_d)
     if interpret:
         cfg = INTERPRETER_CONFIG
-        grid = (triton.cdiv(Nq, cfg["BLOCK_M"]), B * Hq)
+        grid = (cdiv(Nq, cfg["BLOCK_M"]), B * Hq)
         attention_fwd_kernel[grid](*args, **flags, UPCAST_DOT=q.dtype == torch.bfloat16, **cfg)
         return cfg
 
     if Nq * Nk < AUTOTUNE_MIN_WORK:
         cfg = heuristic_config(block_d, q.element_size(), input_precision)
-        grid = (triton.cdiv(Nq, cfg.kwargs["BLOCK_M"]), B * Hq)
+        grid = (cdiv(Nq, cfg.kwargs["BLOCK_M"]), B * Hq)
         attention_fwd_kernel[grid](*args, **flags, UPCAST_DOT=False, **cfg.kwargs,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return cfg
 
     def grid(meta):
-        return (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq)
+        return (cdiv(Nq, meta["BLOCK_M"]), B * Hq)
 
     attention_fwd_autotuned[grid](*args, **flags, UPCAST_DOT=False)
     return attention_fwd_autotuned.best_config

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
-from tilefuse.kernels.tiling import grouped_tile
+from tilefuse.kernels.tiling import cdiv, grouped_tile
 from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
 
 
@@ -203,8 +203,8 @@ def split_k_for(M: int, N: int, K: int, num_sms: int) -> int:
     each slice still >= 512 deep. 1 (no split) above 64 rows, where the M x N tiles fill the GPU."""
     if M > 64 or K < 1024:
         return 1
-    tiles = triton.cdiv(M, 64) * triton.cdiv(N, 64)
-    return max(1, min(16, triton.cdiv(2 * num_sms, tiles), K // 512))
+    tiles = cdiv(M, 64) * cdiv(N, 64)
+    return max(1, min(16, cdiv(2 * num_sms, tiles), K // 512))
 
 
 def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
@@ -225,8 +225,8 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
     k_split_len = K
     if split_k > 1:
         # Slices are whole multiples of the largest BLOCK_K in use, so no K step straddles two slices.
-        k_split_len = triton.cdiv(triton.cdiv(K, split_k), tuning.SPLIT_K_ALIGN) * tuning.SPLIT_K_ALIGN
-        split_k = triton.cdiv(K, k_split_len)
+        k_split_len = cdiv(cdiv(K, split_k), tuning.SPLIT_K_ALIGN) * tuning.SPLIT_K_ALIGN
+        split_k = cdiv(K, k_split_len)
         ws = torch.empty(((2 if gated else 1) * split_k, M, N), dtype=torch.float32, device=y.device)
     common["SPLIT_K"] = split_k
     args = (x, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y, ws,
@@ -235,20 +235,20 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
             y.stride(0), y.stride(1))
     if interpret:
         cfg = tuning.INTERPRETER_GEMM
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), split_k)
         upcast = x.dtype == torch.bfloat16
         linear_epilogue_kernel[grid](*args, **common, UPCAST_DOT=upcast, **cfg)
         chosen = cfg
     else:
         def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)
+            return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), split_k)
 
         kernel = linear_splitk_autotuned if split_k > 1 else linear_epilogue_autotuned
         kernel[grid](*args, **common, UPCAST_DOT=False)
         chosen = kernel.best_config
     if split_k > 1:
         block = 1024
-        splitk_epilogue_kernel[(triton.cdiv(M * N, block),)](
+        splitk_epilogue_kernel[(cdiv(M * N, block),)](
             ws, _or_dummy(b, y), _or_dummy(b_up, y), y, M, N, SPLIT_K=split_k, HAS_BIAS=b is not None,
             ACTIVATION=common["ACTIVATION"], GATED=gated, BLOCK=block)
     return chosen

@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tilefuse import tuning
-from tilefuse.runtime import device_facts
-from tilefuse.kernels.tiling import grouped_tile
+from tilefuse import runtime, tuning
+from tilefuse.kernels.tiling import cdiv, grouped_tile
 from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
 from tilefuse.kernels.gemm_epilogue import prune_gated_configs
 
@@ -112,7 +111,7 @@ def _tma_config(bm, bn, bk, stages, warps, subtile=True, ws=False, group=8):
 
 def tma_supported(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
     """TMA needs unit inner strides, 16-byte-aligned row strides and base addresses, on sm_90+."""
-    if not (x2d.is_cuda and device_facts(x2d.device)[0] >= 9):
+    if not (x2d.is_cuda and runtime.device_facts(x2d.device)[0] >= 9):
         return False
     s = x2d.element_size()
     for t in (x2d, *others):
@@ -148,7 +147,7 @@ def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None, w_up
     _ensure_allocator()
     M, K = x2d.shape
     N = w.shape[0]
-    num_sms = device_facts(x2d.device)[1]
+    num_sms = runtime.device_facts(x2d.device)[1]
     gated = activation in GATED_ACTIVATIONS
     w_up = w_up if gated else w
     args = (x2d, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y,
@@ -156,7 +155,7 @@ def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None, w_up
     common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated, NUM_SMS=num_sms)
 
     def grid(meta):
-        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        return (min(num_sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
 
     if config is not None:
         cfg = _tma_config(**config)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
-from tilefuse.kernels.tiling import grouped_tile
+from tilefuse.kernels.tiling import cdiv, grouped_tile
 from tilefuse.kernels.activations import apply_activation
 from tilefuse.kernels.gemm_epilogue import prune_portable_configs
 
@@ -107,12 +107,12 @@ def launch_norm_linear(x2d, mean, rstd, gamma, beta, w, b, y2d, is_rms, activati
                  INPUT_PRECISION=input_precision)
     if interpret:
         cfg = tuning.INTERPRETER_GEMM
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
         norm_linear_kernel[grid](*args, **flags, UPCAST_DOT=x2d.dtype == torch.bfloat16, **cfg)
         return cfg
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
     norm_linear_autotuned[grid](*args, **flags, UPCAST_DOT=False)
     return norm_linear_autotuned.best_config

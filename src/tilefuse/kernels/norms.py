@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tilefuse import tuning
-from tilefuse.runtime import device_facts
+from tilefuse import runtime, tuning
+from tilefuse.kernels.tiling import cdiv, next_pow2
 
 # Chunk caps. On the GPU a 16K-element chunk keeps <= 32 fp32 values per thread at 16 warps; under the
 # interpreter the cap is tiny so that a 300-long test row already takes the chunked path.
@@ -270,7 +270,7 @@ def norm_bwd_dx_kernel(
 # Launchers: grid and config only.
 
 def _num_sms(device) -> int:
-    return device_facts(device)[1]
+    return runtime.device_facts(device)[1]
 
 
 def _warps_for(tile_elems: int) -> int:
@@ -325,7 +325,7 @@ def _prune_fwd(configs, named_args, **kwargs):
     x = named_args.get("x_ptr")
     elem = x.element_size() if hasattr(x, "element_size") else 2
     residual, weight, bias = (bool(kwargs.get(f)) for f in ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"))
-    full = triton.next_power_of_2(max(n, 1))
+    full = next_pow2(max(n, 1))
     keep = []
     for c in configs:
         bm, bn, w, p = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["PROGRAMS_PER_SM"]
@@ -361,7 +361,7 @@ norm_fwd_autotuned = tuning.autotune(
 
 def block_n_for(N: int, interpret: bool) -> int:
     cap = INTERPRETER_MAX_BLOCK_N if interpret else GPU_MAX_BLOCK_N
-    return min(triton.next_power_of_2(max(N, 1)), cap)
+    return min(next_pow2(max(N, 1)), cap)
 
 
 def launch_norm_fwd(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, is_rms, store_y, interpret):
@@ -379,14 +379,14 @@ def launch_norm_fwd(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, is_rms,
                  HAS_BIAS=bias is not None, STORE_Y=store_y)
     if interpret:
         block_m = max(1, min(16, INTERPRETER_TILE_ELEMS // block_n))
-        grid = (triton.cdiv(M, block_m),)
+        grid = (cdiv(M, block_m),)
         norm_fwd_kernel[grid](*args, **flags, SINGLE_PASS=N <= block_n, BLOCK_N=block_n, BLOCK_M=block_m,
                               PROGRAMS_PER_SM=64, LOOP_STAGES=1)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n)
     sms = _num_sms(x2d.device)
 
     def grid(meta):
-        return (min(triton.cdiv(M, meta["BLOCK_M"]), sms * meta["PROGRAMS_PER_SM"]),)
+        return (min(cdiv(M, meta["BLOCK_M"]), sms * meta["PROGRAMS_PER_SM"]),)
 
     norm_fwd_autotuned[grid](*args, **flags)
     cfg = norm_fwd_autotuned.best_config
@@ -411,13 +411,13 @@ def launch_norm_bwd(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_d
     if N <= block_n:
         if interpret:
             block_m = max(1, min(16, INTERPRETER_TILE_ELEMS // block_n))
-            warps, programs = 4, triton.cdiv(M, block_m)
+            warps, programs = 4, cdiv(M, block_m)
         else:
             block_m = max(1, min(16, 4096 // block_n))
             warps = _warps_for(block_m * block_n)
             # Enough programs to fill the machine, few enough that the fp32 partial rows (G x N) stay
             # small next to the M x N tensors.
-            programs = min(triton.cdiv(M, block_m), _num_sms(dev) * max(1, 32 // warps))
+            programs = min(cdiv(M, block_m), _num_sms(dev) * max(1, 32 // warps))
         programs = max(programs, 1)
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=dev) if compute_dw else dummy
         db_part = torch.empty((programs, N), dtype=torch.float32, device=dev) if compute_db else dummy
@@ -427,15 +427,15 @@ def launch_norm_bwd(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_d
             **flags, HAS_DH=dh2d is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     else:
-        num_chunks = triton.cdiv(N, block_n)
+        num_chunks = cdiv(N, block_n)
         # GPU: one row per tile, a chunk is already 16K elements. Interpreter: many rows per program.
         block_m = max(1, INTERPRETER_TILE_ELEMS // block_n) if interpret else 1
         warps = 4 if interpret else _warps_for(block_n)
-        row_tiles = triton.cdiv(M, block_m)
+        row_tiles = cdiv(M, block_m)
         if interpret:
             groups = min(row_tiles, 2)
         else:
-            groups = min(row_tiles, max(1, triton.cdiv(4 * _num_sms(dev), num_chunks)))
+            groups = min(row_tiles, max(1, cdiv(4 * _num_sms(dev), num_chunks)))
         dots = torch.empty((M, num_chunks, 2), dtype=torch.float32, device=dev)
         dw_part = torch.empty((groups, N), dtype=torch.float32, device=dev) if compute_dw else dummy
         db_part = torch.empty((groups, N), dtype=torch.float32, device=dev) if compute_db else dummy
@@ -448,7 +448,7 @@ def launch_norm_bwd(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_d
             M, N, num_chunks, dy2d.stride(0), h2d.stride(0),
             dh2d.stride(0) if dh2d is not None else 0, dx2d.stride(0),
             **flags, HAS_DH=dh2d is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=warps)
+            BLOCK_C=next_pow2(num_chunks), num_warps=warps)
     # Fixed-order reduction of the per-program partial rows: deterministic run to run.
     dw = dw_part.sum(dim=0) if compute_dw else None
     db = db_part.sum(dim=0) if compute_db else None

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tilefuse import tuning
-from tilefuse.runtime import device_facts
+from tilefuse import runtime, tuning
+from tilefuse.kernels.tiling import cdiv, next_pow2
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(z) = exp2(z * log2(e)): ex2 is the hardware unit
 
@@ -346,7 +346,7 @@ class Plan:
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return next_pow2(max(int(n), 1))
 
 
 def _warps(tile: int) -> int:
@@ -369,9 +369,9 @@ def plan(rows: int, r_inner: int, n: int, rows_adjacent: bool, elem_size: int, c
     if n > caps.max_block_n and rows < 2 * caps.num_sms:
         # Too few rows to fill the GPU with one program per row: split each row into segments.
         bn = caps.split_block_n
-        segs = min(triton.cdiv(4 * caps.num_sms, rows), triton.cdiv(n, caps.min_seg))
-        seg_len = triton.cdiv(triton.cdiv(n, segs), bn) * bn  # whole chunks: aligned 16-byte loads
-        segs = triton.cdiv(n, seg_len)
+        segs = min(cdiv(4 * caps.num_sms, rows), cdiv(n, caps.min_seg))
+        seg_len = cdiv(cdiv(n, segs), bn) * bn  # whole chunks: aligned 16-byte loads
+        segs = cdiv(n, seg_len)
         if segs > 1:
             return Plan("split", 1, bn, _warps(bn), segs, seg_len)
     tuned = caps is GPU_CAPS
@@ -502,7 +502,7 @@ class RowLayout:
 def _caps(interpret: bool, device: torch.device) -> Caps:
     if interpret:
         return INTERPRETER_CAPS
-    sms = device_facts(device)[1]
+    sms = runtime.device_facts(device)[1]
     return GPU_CAPS if sms == GPU_CAPS.num_sms else Caps(**{**GPU_CAPS.__dict__, "num_sms": sms})
 
 
@@ -538,7 +538,7 @@ def launch_softmax_forward(x, y, layout: RowLayout, algorithm: str, interpret: b
     args = (x, y, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(r_inner))
     if p.mode == "block" and p.tuned and AUTOTUNE and p.block_n >= LONG_ROW_MIN_N:
         def grid(meta):
-            return (n_outer * triton.cdiv(r_inner, meta["BLOCK_M"]),)
+            return (n_outer * cdiv(r_inner, meta["BLOCK_M"]),)
 
         softmax_fwd_long_tuned[grid](*args, ALGORITHM=algorithm, WIDE=wide)
         cfg = softmax_fwd_long_tuned.best_config
@@ -578,7 +578,7 @@ def launch_softmax_backward(y, dy, dx, layout: RowLayout, interpret: bool) -> st
 
 def _launch_rows(kernel, block_tuned, loop_tuned, p: Plan, args, common, n_outer, r_inner, name):
     def grid(meta):
-        return (n_outer * triton.cdiv(r_inner, meta["BLOCK_M"]),)
+        return (n_outer * cdiv(r_inner, meta["BLOCK_M"]),)
 
     if p.tuned and AUTOTUNE:
         if p.mode == "block":
