@@ -111,11 +111,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return (out, lse) if return_lse else out
 
 
+def _broadcast_shape(*shapes) -> tuple | None:
+    """The broadcast of ``shapes`` (torch's rules), or None if they do not broadcast. Plain Python:
+    torch.broadcast_shapes goes through symbolic-shape machinery that costs ~30 us per call."""
+    out = [1] * max((len(s) for s in shapes), default=0)
+    for shape in shapes:
+        for i, d in enumerate(shape, len(out) - len(shape)):
+            if d == out[i] or d == 1:
+                continue
+            if out[i] != 1:
+                return None
+            out[i] = d
+    return tuple(out)
+
+
 def _broadcast(name, *shapes):
-    try:
-        return tuple(torch.broadcast_shapes(*shapes))
-    except RuntimeError:
-        raise ValueError(f"{name}: shapes {', '.join(str(tuple(s)) for s in shapes)} do not broadcast") from None
+    out = _broadcast_shape(*shapes)
+    if out is None:
+        raise ValueError(f"{name}: shapes {', '.join(str(tuple(s)) for s in shapes)} do not broadcast")
+    return out
 
 
 def _to_4d(t: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -172,11 +186,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
             raise TypeError(f"attn_mask has dtype {attn_mask.dtype}; expected bool or query's dtype {query.dtype}")
         check_same_device("attn_mask", attn_mask, "query", query)
-        try:
-            ok = torch.broadcast_shapes(attn_mask.shape, score_shape) == score_shape
-        except RuntimeError:
-            ok = False
-        if not ok:
+        if _broadcast_shape(attn_mask.shape, score_shape) != score_shape:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
                              f"attention weights' shape {score_shape}")
     _check_scale(scale)

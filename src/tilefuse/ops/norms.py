@@ -15,7 +15,7 @@ import torch
 from tilefuse import runtime
 from tilefuse.constants import ACTIVATIONS
 from tilefuse.ops.linear import check_linear_args
-from tilefuse.ops._checks import (check_no_grad_needed, check_same_device, check_same_dtype,
+from tilefuse.ops._checks import (check_no_grad_needed, grad_needed, check_same_device, check_same_dtype,
                                   check_tensor)
 from tilefuse.reference import norms as reference
 
@@ -70,25 +70,31 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
     return t2d
 
 
+def _norm_forward(x, residual, weight, bias, N, eps, is_rms, interpret):
+    """(y, h or None, x as rows, mean, rstd): one kernel launch."""
+    x2d = _rows(x, N)
+    M = x2d.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    stats = torch.empty(2, M, dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
+    mean, rstd = stats[0], stats[1]
+    if M > 0:
+        from tilefuse.kernels.norms import launch_norm_fwd  # imports triton lazily
+        res2d = _rows(residual, N) if residual is not None else None
+        cfg = launch_norm_fwd(x2d, res2d, weight, bias, y.view(M, N),
+                              h.view(M, N) if h is not None else None, mean, rstd, eps, is_rms,
+                              store_y=True, interpret=interpret)
+        last_config["config"] = cfg
+    return y, h, x2d, mean, rstd
+
+
 class _NormFunction(torch.autograd.Function):
     """y = norm(x [+ residual]) * weight + bias; returns y, or (y, h) when a residual is given."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, norm_shape, eps, is_rms, interpret):
         N = math.prod(norm_shape)
-        x2d = _rows(x, N)
-        M = x2d.shape[0]
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-        mean = torch.empty(M, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        if M > 0:
-            from tilefuse.kernels.norms import launch_norm_fwd  # imports triton lazily
-            res2d = _rows(residual, N) if residual is not None else None
-            cfg = launch_norm_fwd(x2d, res2d, weight, bias, y.view(M, N),
-                                  h.view(M, N) if h is not None else None, mean, rstd, eps, is_rms,
-                                  store_y=True, interpret=interpret)
-            last_config["config"] = cfg
+        y, h, x2d, mean, rstd = _norm_forward(x, residual, weight, bias, N, eps, is_rms, interpret)
         ctx.save_for_backward(h if h is not None else x2d, weight, mean, rstd)
         ctx.shape, ctx.norm_shape, ctx.N = x.shape, norm_shape, N
         ctx.is_rms, ctx.interpret = is_rms, interpret
@@ -140,8 +146,11 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
         if is_rms:
             return reference.rms_norm(x, shape, weight, eps, residual=residual)
         return reference.layer_norm(x, shape, weight, bias, eps, residual=residual)
-    return _NormFunction.apply(x, residual, weight, bias, shape, float(eps), is_rms,
-                               path == runtime.INTERPRETER)
+    interpret = path == runtime.INTERPRETER
+    if grad_needed(x, residual, weight, bias):
+        return _NormFunction.apply(x, residual, weight, bias, shape, float(eps), is_rms, interpret)
+    y, h, _, _, _ = _norm_forward(x, residual, weight, bias, N, float(eps), is_rms, interpret)
+    return (y, h) if h is not None else y
 
 
 def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,

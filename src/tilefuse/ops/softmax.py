@@ -8,7 +8,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from tilefuse import runtime
-from tilefuse.ops._checks import check_tensor
+from tilefuse.ops._checks import check_tensor, grad_needed
 from tilefuse.reference.softmax import softmax as reference_softmax
 
 ALGORITHMS = ("auto", "online", "two_pass")
@@ -146,6 +146,10 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
     if path == runtime.REFERENCE:
         return reference_softmax(x, dim)
     interpret = path == runtime.INTERPRETER
-    if x.dim() == 0:
-        return _SoftmaxFunction.apply(x.reshape(1), 0, algorithm, interpret).reshape(())
-    return _SoftmaxFunction.apply(x, dim, algorithm, interpret)
+    x1 = x.reshape(1) if x.dim() == 0 else x
+    dim = 0 if x.dim() == 0 else dim
+    if grad_needed(x):
+        y = _SoftmaxFunction.apply(x1, dim, algorithm, interpret)
+    else:
+        y = _forward(x1, dim, algorithm, interpret)
+    return y.reshape(()) if x.dim() == 0 else y
