@@ -18,7 +18,7 @@ import torch
 from tilefuse import registry, runtime, tuning
 from tilefuse.harness import plots
 from tilefuse.harness.stats import error_stats, poison_outputs_like, to_float64
-from tilefuse.harness.timing import bench_ms, measure_ceilings
+from tilefuse.harness.timing import bench_ms, host_us, measure_ceilings
 
 
 def environment() -> dict:
@@ -95,6 +95,7 @@ def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_f
             row["ms"] = None
             return row
         row["ms"] = bench_ms(lambda: spec.fused(**inputs))
+        row["host_us"] = host_us(lambda: spec.fused(**inputs))
         row["config"] = spec.config_used()
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
@@ -109,6 +110,11 @@ def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_f
     row["speedup"] = {k: (v / ms if isinstance(v, float) else None) for k, v in timings.items()}
     row["roofline_pct"] = _roofline_pct(spec, params, row, ceilings)
     return row
+
+
+def _host_bound_mark(row) -> str:
+    ms, us = row.get("ms"), row.get("host_us")
+    return " †" if isinstance(ms, float) and isinstance(us, float) and us >= 0.8 * ms * 1e3 else ""
 
 
 def _roofline_pct(spec, params, row, ceilings) -> float | None:
@@ -230,11 +236,12 @@ def render_markdown(result: dict) -> str:
             if on_gpu:
                 lines += ["### Speed and roofline", ""]
                 anchor_names = sorted({k for r in op["speed"] for k in r.get("anchors", {})})
-                head = ["case", "dtype", "ms", "TFLOP/s", "TB/s (fused bytes)", "% ceiling"]
+                head = ["case", "dtype", "ms", "host µs", "TFLOP/s", "TB/s (fused bytes)", "% ceiling"]
                 head += [f"× {a}" for a in anchor_names] + ["rel-L2", "config"]
                 lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
                 for r in op["speed"]:
-                    cells = [r["case"], r["dtype"], _fmt(r["ms"], ".4f"), _fmt(r.get("tflops"), ".1f"),
+                    cells = [r["case"], r["dtype"], _fmt(r["ms"], ".4f") + _host_bound_mark(r),
+                             _fmt(r.get("host_us"), ".0f"), _fmt(r.get("tflops"), ".1f"),
                              _fmt(r.get("tbps"), ".2f"), _fmt(r.get("roofline_pct"), ".0f")]
                     for a in anchor_names:
                         t = r.get("anchors", {}).get(a)
@@ -242,7 +249,9 @@ def render_markdown(result: dict) -> str:
                     cells += [_fmt(r.get("rel_l2"), ".1e"), r.get("config", "")]
                     lines.append("| " + " | ".join(cells) + " |")
                 lines += ["", "× anchor = anchor time / tilefuse time (above 1: tilefuse is faster). "
-                          "Anchor times in ms are in report.json."]
+                          "Anchor times in ms are in report.json. host µs: CPU time to issue one call; "
+                          "† marks rows where it is at least 80% of ms, so ms may be the host's, not "
+                          "the GPU's."]
                 geo = _geomean_speedups(op["speed"])
                 if geo:
                     lines += ["", "Geomean speedup by dtype: " + "; ".join(

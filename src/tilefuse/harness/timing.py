@@ -1,6 +1,8 @@
 """GPU timing: triton.testing.do_bench medians after warm-up. On a CPU nothing is timed."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -13,6 +15,23 @@ def bench_ms(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> float | None:
     fn()  # compile / autotune outside the timed region
     torch.cuda.synchronize()
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def host_us(fn, calls: int = 20, rounds: int = 3) -> float | None:
+    """Microseconds of CPU time one call of ``fn`` takes to issue its work (checks, dispatch, launch),
+    the best of a few rounds, without synchronizing inside a round. When this exceeds the kernel time,
+    do_bench measures the host, not the GPU: the report shows both so that such rows are visible."""
+    if not torch.cuda.is_available():
+        return None
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
 
 
 def measure_ceilings() -> dict:

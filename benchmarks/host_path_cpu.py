@@ -1,0 +1,68 @@
+"""Host cost of each op's compiled-path dispatch, measured on a CPU with the kernel launches stubbed
+(tilefuse.harness.host_path): microseconds per call (best of 30 rounds of 100 calls) and Python function calls per
+call (deterministic, so a change shows even on a noisy shared CPU). Triton's own launcher is not in
+these numbers; benchmarks/host_overhead.py measures the whole call on the GPU.
+
+Run anywhere:  TILEFUSE_AUTOTUNE=0 PYTHONPATH=src python benchmarks/host_path_cpu.py [OUT.json] [OP ...]
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tilefuse import registry
+from tilefuse.harness.host_path import host_us, stubbed_launches
+from rows import collect
+
+# One small case per op: the host path does not depend on the size (CPU allocations of bench-size
+# tensors would add malloc time the GPU's caching allocator does not have).
+SMALL_SHAPES = {
+    "linear": [(512, 1024, 1024), (16, 4096, 4096)],  # the TMA path; the split-K (decode) path
+    "gated_linear": [(512, 1024, 1024)],
+    "layer_norm": [(64, 4096)], "rms_norm": [(64, 4096)],
+    "layer_norm_backward": [(64, 4096)], "rms_norm_backward": [(64, 4096)],
+    "softmax": [(64, 4096)], "softmax_backward": [(64, 4096)],
+    "layer_norm_linear": [(256, 1024, 1024)],
+    "attention": [(1, 4, 4, 128, 128)],
+    "sdpa": [(1, 2, 2, 128, 128, 64)],
+}
+
+
+def python_calls(fn) -> int:
+    """Python-level function calls made by one call of ``fn`` (builtins not counted)."""
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if event == "call":
+            count += 1
+
+    sys.setprofile(tracer)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count - 1  # fn itself
+
+
+def measure(op: str, shape) -> dict:
+    spec = registry.get(op)
+    params = dict(spec.bench_cases[0], shape=shape)
+    inputs = spec.make_inputs(params, torch.device("cpu"), 0)
+    with stubbed_launches() as launches:
+        fn = lambda: spec.fused(**inputs)  # noqa: E731
+        fn()
+        kernels = [launch.kernel for launch in launches]
+        return {"op": op, "shape": list(shape), "kernels": kernels, "host_us": round(host_us(fn), 1),
+                "python_calls": python_calls(fn)}
+
+
+def main(argv):
+    out = argv[0] if argv and argv[0].endswith(".json") else None
+    ops = [a for a in argv if not a.endswith(".json")] or list(SMALL_SHAPES)
+    collect((measure(op, shape) for op in ops for shape in SMALL_SHAPES[op]), out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,127 @@
+"""The compiled-path dispatch on a CPU, with kernel launches recorded instead of run
+(tilefuse.harness.host_path): every op reaches its kernels with a config, the autotuner's hot path
+launches exactly what its slow path chose, and the host helpers agree with triton's and torch's."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import triton
+
+from tilefuse import registry, tuning
+from tilefuse.harness.host_path import stubbed_launches
+from tilefuse.harness.report import render_markdown
+from tilefuse.kernels.tiling import cdiv, next_pow2
+from tilefuse.ops.attention import _broadcast_shape
+
+ON_GPU = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
+
+# One small case per op (bench_cases[0] with this shape) and the kernels one call must launch.
+CASES = {
+    "linear": ((512, 1024, 1024), ["linear_tma_kernel"]),
+    "gated_linear": ((512, 1024, 1024), ["linear_tma_kernel"]),
+    "layer_norm": ((64, 4096), ["norm_fwd_kernel"]),
+    "rms_norm": ((64, 4096), ["norm_fwd_kernel"]),
+    "softmax": ((64, 4096), ["softmax_fwd_kernel"]),
+    "layer_norm_linear": ((256, 1024, 1024), ["norm_fwd_kernel", "norm_linear_kernel"]),
+    "attention": ((1, 4, 4, 128, 128), ["attention_fwd_kernel"]),
+    "sdpa": ((1, 2, 2, 128, 128, 64), ["attention_fwd_kernel"]),
+}
+
+
+@pytest.fixture
+def pinned_tuners(monkeypatch):
+    """Every autotuner picks its first pruned config, as the GPU tests do (TILEFUSE_AUTOTUNE=0), with
+    fresh in-process caches so this test settles its own keys."""
+    from tilefuse.kernels import attention, gemm_epilogue, gemm_tma, norm_linear, norms, softmax  # noqa: F401
+    tuners = [obj for mod in (attention, gemm_epilogue, gemm_tma, norm_linear, norms, softmax)
+              for obj in vars(mod).values() if isinstance(obj, tuning.TableAutotuner)]
+    for t in tuners:
+        monkeypatch.setattr(t, "pinned", True)
+        monkeypatch.setattr(t, "cache", {})
+    return tuners
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_compiled_dispatch_launches_the_same_kernels_every_call(op, pinned_tuners, monkeypatch):
+    shape, kernels = CASES[op]
+    spec = registry.get(op)
+    inputs = spec.make_inputs(dict(spec.bench_cases[0], shape=shape), torch.device("cpu"), 0)
+    slow_runs = []
+    original = tuning.TableAutotuner._run_and_settle
+
+    def counting(self, args, kwargs):
+        slow_runs.append(self.name)
+        return original(self, args, kwargs)
+
+    monkeypatch.setattr(tuning.TableAutotuner, "_run_and_settle", counting)
+    with torch.no_grad(), stubbed_launches() as launches:
+        first = spec.fused(**inputs)
+        n = len(launches)
+        second = spec.fused(**inputs)
+    assert [launch.kernel for launch in launches[:n]] == kernels
+    assert launches[n:] and [launch.kernel for launch in launches[n:]] == kernels
+    for a, b in zip(launches[:n], launches[n:]):
+        # The hot path (second call) launches with exactly the config and grid the slow path chose.
+        assert a.grid == b.grid and all(g > 0 for g in a.grid)
+        assert {k: v for k, v in a.kwargs.items() if k != "grid"} == {k: v for k, v in b.kwargs.items() if k != "grid"}
+    assert len(slow_runs) <= len(kernels), "the second call must not go through the slow path again"
+    outputs = first if isinstance(first, tuple) else (first,)
+    assert all(isinstance(t, torch.Tensor) for t in outputs) and type(first) is type(second)
+
+
+def test_hot_path_forgets_settled_configs_when_the_cache_is_replaced(pinned_tuners):
+    from tilefuse.kernels import norms
+    tuner = norms.norm_fwd_autotuned
+    spec = registry.get("layer_norm")
+    inputs = spec.make_inputs(dict(spec.bench_cases[0], shape=(8, 4096)), torch.device("cpu"), 0)
+    with torch.no_grad(), stubbed_launches() as launches:
+        spec.fused(**inputs)
+        assert tuner._settled
+        first = launches[-1].kwargs["BLOCK_M"]
+        wanted = next(c for c in tuner.configs if c.kwargs["BLOCK_N"] == 4096 and c.kwargs["BLOCK_M"] != first
+                      and c.kwargs["SINGLE_PASS"])
+        key = next(iter(tuner.cache))
+        tuner.cache = {key: wanted}  # a new cache object holding another choice for the same key
+        spec.fused(**inputs)
+    assert launches[-1].kwargs["BLOCK_M"] == wanted.kwargs["BLOCK_M"] != first
+
+
+def test_host_integer_helpers_match_triton():
+    for a in range(0, 300):
+        for b in (1, 2, 3, 7, 64, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b)
+    for n in range(1, 5000):
+        assert next_pow2(n) == triton.next_power_of_2(n)
+    assert next_pow2(0) == 1
+
+
+def test_broadcast_shape_matches_torch():
+    rng = random.Random(0)
+    for _ in range(2000):
+        shapes = [tuple(rng.choice([0, 1, 2, 3]) for _ in range(rng.randint(0, 4)))
+                  for _ in range(rng.randint(1, 3))]
+        try:
+            expected = tuple(torch.broadcast_shapes(*shapes))
+        except RuntimeError:
+            expected = None
+        assert _broadcast_shape(*shapes) == expected, shapes
+
+
+def _gpu_result(ms, host):
+    env = dict(device="NVIDIA H200", path="compiled", torch="t", triton="t", python="p", time_utc="now")
+    ceil = dict(copy_TBps=4.2, read_TBps=4.0, gemm_bf16_TFLOPs=700, gemm_fp16_TFLOPs=660, gemm_fp32_TFLOPs=50)
+    row = dict(case="M64 N4096", dtype="bf16", ms=ms, host_us=host, tflops=0.0, tbps=1.0, roofline_pct=20.0,
+               anchors={"eager unfused": 0.05}, speedup={"eager unfused": 0.05 / ms}, rel_l2=1e-3, config="c",
+               hbm_bytes={"fused": 1e6, "unfused": 2e6})
+    op = dict(summary="s", accuracy=[], speed=[row])
+    return dict(environment=env, ceilings=ceil, seeds=20, ops={"layer_norm": op})
+
+
+def test_report_marks_rows_whose_time_may_be_the_hosts():
+    bound = render_markdown(_gpu_result(ms=0.090, host=85.0))
+    assert "| 0.0900 † | 85 |" in bound and "host µs" in bound
+    free = render_markdown(_gpu_result(ms=0.090, host=30.0))
+    assert "| 0.0900 | 30 |" in free
