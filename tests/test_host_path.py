@@ -122,6 +122,6 @@ def _gpu_result(ms, host):
 
 def test_report_marks_rows_whose_time_may_be_the_hosts():
     bound = render_markdown(_gpu_result(ms=0.090, host=85.0))
-    assert "| 0.0900 † | 85 |" in bound and "host µs" in bound
+    assert "| 0.0900 † | 85 | – |" in bound and "host µs" in bound
     free = render_markdown(_gpu_result(ms=0.090, host=30.0))
-    assert "| 0.0900 | 30 |" in free
+    assert "| 0.0900 | 30 | – |" in free

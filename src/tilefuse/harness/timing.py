@@ -17,6 +17,40 @@ def bench_ms(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> float | None:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def graph_ms(fn, reps: int = 50) -> float | str | None:
+    """Median milliseconds of the GPU work of one ``fn()`` with the host taken out: the call is captured
+    once in a CUDA graph and replayed, the L2 cache cleared before each replay as do_bench does. Beside
+    do_bench's number it tells a kernel's time from its launch path's. A call that cannot be captured
+    gives the reason as text."""
+    if not torch.cuda.is_available():
+        return None
+    import triton
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        driver = triton.runtime.driver.active
+        cache = driver.get_empty_cache_for_benchmark()
+        times = []
+        for _ in range(reps):
+            driver.clear_cache(cache)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            times.append((start, end))
+        torch.cuda.synchronize()
+        ms = sorted(s.elapsed_time(e) for s, e in times)
+        del graph
+        return ms[len(ms) // 2]
+    except Exception as exc:  # noqa: BLE001 - reported in the row, never hidden
+        torch.cuda.synchronize()
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+
+
 def host_us(fn, calls: int = 20, rounds: int = 3) -> float | None:
     """Microseconds of CPU time one call of ``fn`` takes to issue its work (checks, dispatch, launch),
     the best of a few rounds, without synchronizing inside a round. When this exceeds the kernel time,
