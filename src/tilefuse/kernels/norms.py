@@ -78,15 +78,21 @@ def norm_fwd_kernel(
             # al.), which stays accurate when |mean| >> std, unlike sum and sum of squares.
             mean = tl.zeros((BLOCK_M,), tl.float32)
             m2 = tl.zeros((BLOCK_M,), tl.float32)
+            # L2 hints: what pass 2 re-reads (x, or h with a residual) is marked to stay; what is read
+            # once (the residual) or written for good (y) to leave first. Only then do the rows in
+            # flight (one per program of a persistent grid) fit the 50 MB L2 with y streaming past.
             for n0 in tl.range(0, N, BLOCK_N, num_stages=LOOP_STAGES):
                 offs_n = n0 + offs_n0
                 mask_n = offs_n < N
                 mask = mask_m[:, None] & mask_n[None, :]
-                h = tl.load(x_ptr + rows[:, None] * stride_xm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+                h = tl.load(x_ptr + rows[:, None] * stride_xm + offs_n[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first" if HAS_RESIDUAL else "evict_last").to(tl.float32)
                 if HAS_RESIDUAL:
-                    r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+                    r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0,
+                                eviction_policy="evict_first")
                     h_low = (h + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
-                    tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h_low, mask=mask)
+                    tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h_low, mask=mask,
+                             eviction_policy="evict_last")
                     h = h_low.to(tl.float32)
                 if IS_RMS:
                     m2 += tl.sum(h * h, axis=1)
@@ -107,16 +113,18 @@ def norm_fwd_kernel(
                     mask_n = offs_n < N
                     mask = mask_m[:, None] & mask_n[None, :]
                     if HAS_RESIDUAL:
-                        h = tl.load(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0)
+                        h = tl.load(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0,
+                                    eviction_policy="evict_first")
                     else:
-                        h = tl.load(x_ptr + rows[:, None] * stride_xm + offs_n[None, :], mask=mask, other=0.0)
+                        h = tl.load(x_ptr + rows[:, None] * stride_xm + offs_n[None, :], mask=mask, other=0.0,
+                                    eviction_policy="evict_first")
                     y = (h.to(tl.float32) - mean[:, None]) * rstd[:, None]
                     if HAS_WEIGHT:
                         y = y * tl.load(w_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
                     if HAS_BIAS:
                         y = y + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
                     tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :],
-                             y.to(y_ptr.dtype.element_ty), mask=mask)
+                             y.to(y_ptr.dtype.element_ty), mask=mask, eviction_policy="evict_first")
         tl.store(mean_ptr + offs_m, mean, mask=mask_m)
         tl.store(rstd_ptr + offs_m, rstd, mask=mask_m)
 
