@@ -147,10 +147,19 @@ def test_interpreter_path_is_used_on_cpu():
 
 @pytest.mark.parametrize("activation", [None, "gelu", "swiglu"])
 def test_split_k_path_matches_reference(device, activation, monkeypatch):
-    # Small-M GEMMs split K across programs and sum fp32 partials in a second kernel; force the split
-    # on small shapes (K = 300 -> slices of 128: 3 slices, the last one partial).
+    # Small-M GEMMs split K across programs; the last program of each output tile to arrive sums the
+    # fp32 partials and applies the epilogue (one launch). Force the split on small shapes (K = 300 ->
+    # slices of 128: 3 slices, the last one partial). A second call must give the same bits (the sum
+    # runs in slice order) and leave every arrival counter at zero for the next launch.
     import tilefuse.ops.linear as L
-    monkeypatch.setattr(L, "_split_k", lambda M, N, K, device: 3)
+    monkeypatch.setattr(L, "_split_k", lambda M, N, K, path, device: 3)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):  # the partials workspace and y start as NaN, never stale data
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
     x = _rand(5, 300, device=device)
     n = 70
     w = _rand(2 * n if activation == "swiglu" else n, 300, device=device, seed=1) / 17
@@ -163,6 +172,10 @@ def test_split_k_path_matches_reference(device, activation, monkeypatch):
     else:
         ref = reference.linear(x.double(), w.double(), b.double(), activation)
     assert_close(out, ref, 1e-5, f"split-k {activation}")
+    from tilefuse.kernels import gemm_epilogue
+    assert torch.equal(tilefuse.linear(x, w, b, activation), out)
+    counters = [c for (kind, _, _), c in gemm_epilogue._COUNTERS.items() if kind == torch.device(device).type]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)

@@ -19,7 +19,7 @@ def test_tma_gemm_compiles_to_wgmma(activation, gated):
 
 @pytest.mark.parametrize("split_k,gated", [(1, False), (4, True)])
 def test_portable_gemm_compiles_for_sm90(split_k, gated):
-    sig = {"*": "*fp16", "ws_ptr": "*fp32"}
+    sig = {"*": "*fp16", "ws_ptr": "*fp32", "counter_ptr": "*i32"}
     consts = dict(HAS_BIAS=True, ACTIVATION="geglu_tanh" if gated else "gelu_tanh", GATED=gated, SPLIT_K=split_k,
                   INPUT_PRECISION="tf32", UPCAST_DOT=False, BLOCK_M=128 if split_k == 1 else 16, BLOCK_N=64,
                   BLOCK_K=64 if split_k == 1 else 128, GROUP_M=8)
@@ -29,11 +29,20 @@ def test_portable_gemm_compiles_for_sm90(split_k, gated):
     assert facts["wgmma"] == (consts["BLOCK_M"] >= 64), facts
 
 
-def test_split_k_epilogue_compiles_for_sm90():
-    sig = {"*": "*bf16", "ws_ptr": "*fp32"}
-    consts = dict(SPLIT_K=4, HAS_BIAS=True, ACTIVATION="swiglu", GATED=True, BLOCK=1024)
-    facts = compile_sm90("tilefuse.kernels.gemm_epilogue", "splitk_epilogue_kernel", sig, consts, num_warps=4)
-    assert facts["regs"] is not None and facts["spill_store_bytes"] == 0, facts
+def test_split_k_reduces_in_one_launch_with_an_ordered_counter():
+    """Single-launch split-K: the last program of a tile to arrive reduces the partials. The arrival
+    count must be an acquire-release atomic at GPU scope (a relaxed one would let the reducer read
+    partials not yet visible), and the reducing code must not spill."""
+    sig = {"*": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32"}
+    consts = dict(HAS_BIAS=True, ACTIVATION="swiglu", GATED=True, SPLIT_K=5, INPUT_PRECISION="tf32",
+                  UPCAST_DOT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
+    aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "wu_ptr", "bu_ptr", "ws_ptr", "N", "K", "K_SPLIT_LEN",
+               "stride_xm", "stride_wn", "stride_wun", "stride_ym")  # as a launch on aligned tensors is
+    facts = compile_sm90("tilefuse.kernels.gemm_epilogue", "linear_epilogue_kernel", sig, consts, num_warps=4,
+                         num_stages=4, aligned=aligned)
+    assert facts["spill_store_bytes"] == 0, facts
+    assert any(".gpu" in a and ".acq_rel" in a and ".add" in a for a in facts["atomics"]), facts
+    assert any(".exch" in a for a in facts["atomics"]), facts  # the reducer's reset to 0
 
 
 @pytest.mark.parametrize("dtype,gated,split_k,precision", [

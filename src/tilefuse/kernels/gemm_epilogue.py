@@ -12,6 +12,9 @@ Tiling: BLOCK_M x BLOCK_N output tile per program, K walked in BLOCK_K steps, gr
 GROUP_M row-tiles share the same weight columns while they sit in L2. Every edge is masked: any M, N,
 K >= 0 and any strides (x's rows may sit at two strides, for a 3-D input that does not flatten).
 This is the portable path (Ampere, Hopper, the interpreter).
+Split-K (small M): K slices run as separate programs that store fp32 partials; the last program of a
+tile to arrive sums them and runs the epilogue, so decode shapes take one launch, not a GEMM and a
+reduction kernel (extra traffic 2 * SPLIT_K * M * N * 4 bytes, small for small M).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def linear_epilogue_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     wu_ptr, bu_ptr,  # gated only: the "up" weight [N, K] and bias (any valid pointer otherwise)
     ws_ptr,  # split-K only: fp32 partial sums [SPLIT_K, M, N] (then the up partials, if GATED)
+    counter_ptr,  # split-K only: int32 per output tile, 0 between launches (see the end of the kernel)
     M, N, K,
     M_BUCKET,  # autotune key only: next power of two of M
     K_SPLIT_LEN,  # K elements per split (a multiple of BLOCK_K); K when SPLIT_K == 1
@@ -84,13 +88,38 @@ def linear_epilogue_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     if SPLIT_K > 1:
-        ws_ptrs = ws_ptr + tl.program_id(1) * M * N + offs_m64[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+        # Each K slice stores its fp32 partial; the last of the tile's SPLIT_K programs to arrive sums
+        # them in slice order (deterministic) and runs the epilogue. One launch instead of a GEMM and a
+        # reduction kernel. The barrier and the acq_rel counter make every thread's partial visible
+        # before the count is seen (a semaphore as CUTLASS's serial split-K); the reads bypass L1.
+        tile_mask = mask_m[:, None] & mask_n[None, :]
+        ws_offs = offs_m64[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + tl.program_id(1) * M * N + ws_offs, acc, mask=tile_mask)
         if GATED:
-            tl.store(ws_ptrs + SPLIT_K * M * N, acc_up, mask=mask_m[:, None] & mask_n[None, :])
-        return
+            tl.store(ws_ptr + (SPLIT_K + tl.program_id(1)) * M * N + ws_offs, acc_up, mask=tile_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(ws_ptr + s * M * N + ws_offs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(ws_ptr + (SPLIT_K + s) * M * N + ws_offs, mask=tile_mask, other=0.0,
+                                      cache_modifier=".cg")
+            tl.atomic_xchg(counter_ptr + tl.program_id(0), 0)  # ready for the next launch
+            _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, offs_m64, offs_n, mask_m, mask_n,
+                                   stride_ym, stride_yn, HAS_BIAS, ACTIVATION, GATED)
+    else:
+        _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, offs_m64, offs_n, mask_m, mask_n,
+                               stride_ym, stride_yn, HAS_BIAS, ACTIVATION, GATED)
 
-    # Epilogue on the fp32 accumulator(s): nothing below touches HBM except the bias vectors and the store.
+
+@triton.jit
+def _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, offs_m64, offs_n, mask_m, mask_n,
+                           stride_ym, stride_yn, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                           GATED: tl.constexpr):
+    """The epilogue on the fp32 accumulator(s): nothing touches HBM but the bias vectors and the store."""
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
@@ -100,39 +129,8 @@ def linear_epilogue_kernel(
         acc = apply_gated(acc, acc_up, ACTIVATION)
     else:
         acc = apply_activation(acc, ACTIVATION)
-
     y_ptrs = y_ptr + offs_m64[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-# GPU path: the same kernel behind a small autotune space, keyed on the row-count bucket rather than M
-# itself so that a new batch size reuses the tuned tile.
-@triton.jit
-def splitk_epilogue_kernel(
-    ws_ptr, b_ptr, bu_ptr, y_ptr, M, N,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Second half of split-K: sum the fp32 partials in a fixed order (deterministic), then bias and
-    activation, one store. Extra traffic 2 * SPLIT_K * M * N * 4 bytes (x2 gated): small for small M."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
-        if GATED:
-            acc_up += tl.load(ws_ptr + (SPLIT_K + s) * M * N + offs, mask=mask, other=0.0)
-    offs_n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-        if GATED:
-            acc_up += tl.load(bu_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    if GATED:
-        acc = apply_gated(acc, acc_up, ACTIVATION)
-    else:
-        acc = apply_activation(acc, ACTIVATION)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 SMEM_LIMIT = 232448  # Hopper: the most shared memory one block may opt in to (227 KB)
@@ -181,6 +179,8 @@ def prune_portable_configs(configs, named_args, extra_smem=None, **kwargs):
     return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
 
 
+# GPU path: the same kernel behind a small autotune space, keyed on the row-count bucket rather than M
+# itself so that a new batch size reuses the tuned tile.
 linear_epilogue_autotuned = tuning.autotune(
     name="linear_portable",
     configs=tuning.PORTABLE_GEMM_CONFIGS,
@@ -221,15 +221,16 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
         GATED=gated,
         INPUT_PRECISION=input_precision,
     )
-    ws = y
+    ws = counters = y
     k_split_len = K
     if split_k > 1:
         # Slices are whole multiples of the largest BLOCK_K in use, so no K step straddles two slices.
         k_split_len = cdiv(cdiv(K, split_k), tuning.SPLIT_K_ALIGN) * tuning.SPLIT_K_ALIGN
         split_k = cdiv(K, k_split_len)
         ws = torch.empty(((2 if gated else 1) * split_k, M, N), dtype=torch.float32, device=y.device)
+        counters = tile_counters(y.device, cdiv(M, MIN_TILE) * cdiv(N, MIN_TILE))
     common["SPLIT_K"] = split_k
-    args = (x, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y, ws,
+    args = (x, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y, ws, counters,
             M, N, K, tuning.m_bucket(M), k_split_len, m_inner,
             stride_xo, stride_xm, stride_xk, w.stride(0), w.stride(1), w_up.stride(0), w_up.stride(1),
             y.stride(0), y.stride(1))
@@ -246,14 +247,21 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
         kernel = linear_splitk_autotuned if split_k > 1 else linear_epilogue_autotuned
         kernel[grid](*args, **common, UPCAST_DOT=False)
         chosen = kernel.best_config
-    if split_k > 1:
-        block = 1024
-        splitk_epilogue_kernel[(cdiv(M * N, block),)](
-            ws, _or_dummy(b, y), _or_dummy(b_up, y), y, M, N, SPLIT_K=split_k, HAS_BIAS=b is not None,
-            ACTIVATION=common["ACTIVATION"], GATED=gated, BLOCK=block)
     return chosen
 
 
-def _or_dummy(b, fallback):
-    """A valid pointer for an absent bias (never read: HAS_BIAS is False)."""
-    return b if b is not None else fallback
+MIN_TILE = 16  # no config tiles M or N finer (tl.dot needs 16): bounds the number of output tiles
+_COUNTERS: dict = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 split-K arrival counters, one per output tile, kept per (device, stream): every
+    launch leaves them at zero again, so one zeroing serves all later launches; two streams running
+    split-K at once must not share them."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf

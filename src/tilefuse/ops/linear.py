@@ -73,9 +73,9 @@ def check_linear_args(x, weight, bias, activation, name="weight", bias_name="bia
         check_same_device(bias_name, bias, "x", x)
 
 
-def _split_k(M: int, N: int, K: int, device) -> int:
-    """K slices for small-M (decode) GEMMs on the GPU; 1 otherwise. Tests on the CPU patch this."""
-    if device.type != "cuda":
+def _split_k(M: int, N: int, K: int, path: str, device) -> int:
+    """K slices for small-M (decode) GEMMs on the compiled path; 1 otherwise. Tests on the CPU patch this."""
+    if path != runtime.COMPILED:
         return 1
     from tilefuse.kernels.gemm_epilogue import split_k_for
     return split_k_for(M, N, K, runtime.device_facts(device)[1])
@@ -162,7 +162,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
     y2d = y.view(M, N)
-    split_k = _split_k(M, N, K, x.device)
+    split_k = _split_k(M, N, K, path, x.device)
     if (path == runtime.COMPILED and split_k == 1 and x.dtype != torch.float32 and s_k == 1
             and (s_outer == 0 or m_inner == M)):
         from tilefuse.kernels import gemm_tma
