@@ -500,3 +500,27 @@ def test_settled_key_skips_table_lookup_on_later_launches(tables, monkeypatch):
     for _ in range(3):
         assert launch(tuner)["BLOCK"] == SPACE[1].kwargs["BLOCK"]
     assert looked_up == [] and len(tuner.fn.calls) == 4
+
+
+def test_shipped_tables_match_the_kernels_they_name():
+    """A shipped table must stay in step with the kernels: every entry loads, names a kernel that
+    exists, keys it on that kernel's key arguments and holds a config of its parameters. (An entry the
+    loader rejects is ignored at runtime with a warning, silently costing the user a tuning run.)"""
+    import json
+    from pathlib import Path
+
+    from tilefuse.kernels import attention, gemm_epilogue, gemm_tma, norm_linear, norms, softmax  # noqa: F401
+
+    tables = sorted(Path(tuning.__file__).with_name("configs").glob("*.json"))
+    assert tables, "no shipped table"
+    for path in tables:
+        raw = json.loads(path.read_text())
+        loaded = tuning.load_shipped_table(path)
+        assert {k: len(v) for k, v in loaded.items()} == {k: len(v) for k, v in raw["kernels"].items()}, path
+        for kernel, entries in loaded.items():
+            tuner = tuning._TUNERS[kernel]
+            for key, entry in entries.items():
+                names = [part.split("=", 1)[0] for part in key.split(" dtypes=")[0].split()]
+                assert names == [k for k in tuner.keys if k in names] and set(names) <= set(tuner.keys), (kernel, key)
+                config = tuning.config_from_dict(entry["config"])
+                assert frozenset(config.kwargs) == tuner._param_names, (kernel, key, config.kwargs)
