@@ -167,3 +167,34 @@ def test_pipelined_softmax_loop_configs_fit_shared_memory(backward, dtype, algor
     facts = compile_sm90("tilefuse.kernels.softmax", kernel, f"*{dtype}", consts, cfg.num_warps, 3, aligned=aligned)
     assert 0 < facts["shared"] <= model + 2048 <= 227 * 1024, (cfg, facts, model)
     assert facts["shared"] >= model // 3, ("the loops were not pipelined", cfg, facts, model)
+
+
+@pytest.mark.parametrize("block_d,causal", [(128, False), (128, True), (64, False)])
+def test_register_capped_attention_tiles_fit_more_ctas_per_sm(block_d, causal):
+    """The maxnreg attention configs exist to put 2 (d = 128) or 3 (d = 64) CTAs on an SM. Compiled as
+    the GPU compiles them (aligned strides, descriptors) they must meet their cap, not spill beyond a
+    few bytes, and fit that many CTAs in registers and shared memory."""
+    import torch
+
+    from tilefuse.kernels import attention as att
+
+    q = torch.empty(1, dtype=torch.bfloat16)
+    kept = att._prune(att.GPU_CONFIGS, {"q_ptr": q}, BLOCK_D=block_d, USE_DESC=True, HAS_MASK=False)
+    capped = [c for c in kept if c.maxnreg is not None]
+    assert len(capped) == 1, kept
+    cfg = capped[0]
+    consts = dict(HAS_LEFT=False, HAS_RIGHT=causal, HAS_MASK=False, MASK_IS_BOOL=False, STORE_LSE=False,
+                  EVEN_D=True, USE_DESC=True, INPUT_PRECISION="tf32", UPCAST_DOT=False,
+                  BLOCK_M=cfg.kwargs["BLOCK_M"], BLOCK_N=cfg.kwargs["BLOCK_N"], BLOCK_D=block_d)
+    aligned = tuple(f"stride_{t}{a}" for t in "qkvo" for a in ("b", "h", "m" if t in "qo" else "n"))
+    facts = compile_sm90("tilefuse.kernels.attention", "attention_fwd_kernel",
+                         {"*": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}, consts, cfg.num_warps,
+                         cfg.num_stages, aligned=aligned, maxnreg=cfg.maxnreg)
+    ctas = min(65536 // (facts["regs"] * 32 * cfg.num_warps), (228 * 1024) // (facts["shared"] + 1024))
+    assert facts["regs"] <= cfg.maxnreg and facts["spill_store_bytes"] <= 8, facts
+    assert ctas >= (2 if block_d == 128 else 3), (facts, ctas)
+    # and the fp32 / d = 256 launches never get a cap sized for 16-bit d <= 128 tiles
+    for elem_dtype, d in ((torch.float32, 128), (torch.bfloat16, 256)):
+        kept = att._prune(att.GPU_CONFIGS, {"q_ptr": torch.empty(1, dtype=elem_dtype)}, BLOCK_D=d,
+                          USE_DESC=True, HAS_MASK=False, INPUT_PRECISION="tf32")
+        assert all(c.maxnreg is None for c in kept)

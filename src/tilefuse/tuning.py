@@ -641,6 +641,8 @@ def describe(config) -> str:
         kw, extra = config, ""
     else:
         kw, extra = config.kwargs, f" w{config.num_warps} s{config.num_stages}"
+        if config.maxnreg is not None:
+            extra += f" r{config.maxnreg}"
     tile = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in kw)
     flags = "".join(f" {name}" for key, name in (("WARP_SPECIALIZE", "ws"), ("EPILOGUE_SUBTILE", "subtile"))
                     if kw.get(key))

@@ -16,7 +16,7 @@ import tempfile
 
 
 def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: dict, num_warps: int = 4,
-                 num_stages: int = 3, aligned: tuple = ()) -> dict:
+                 num_stages: int = 3, aligned: tuple = (), maxnreg: int | None = None) -> dict:
     """Compile ``module.kernel`` (a @triton.jit function) for sm_90a.
 
     ``signature``: arg name -> triton type string ("*bf16", "i32", ...) for runtime args, or one pointer
@@ -26,21 +26,22 @@ def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: di
     TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile, so the work then runs in a
     child process without it. ``aligned``: runtime argument names to compile as multiples of 16 (as
     Triton specializes aligned pointers and strides at launch); without them loads are not vectorized
-    and loops are not pipelined, so shared memory is under-counted for typical shapes.
+    and loops are not pipelined, so shared memory is under-counted for typical shapes. ``maxnreg``: the
+    config's register cap, if it has one.
     """
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        job = json.dumps([module, kernel, signature, constexprs, num_warps, num_stages, list(aligned)])
+        job = json.dumps([module, kernel, signature, constexprs, num_warps, num_stages, list(aligned), maxnreg])
         out = subprocess.run([sys.executable, "-m", "tilefuse.harness.compiler", job], env=env,
                              capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"compiling {module}.{kernel} for sm_90a failed:\n{out.stderr[-4000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
     return _compile_here(getattr(importlib.import_module(module), kernel), signature, constexprs,
-                         num_warps, num_stages, tuple(aligned))
+                         num_warps, num_stages, tuple(aligned), maxnreg)
 
 
-def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=()) -> dict:
+def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=(), maxnreg=None) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,8 +59,10 @@ def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=()) 
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,5 +79,6 @@ def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=()) 
 
 
 if __name__ == "__main__":
-    module, kernel, signature, constexprs, num_warps, num_stages, aligned = json.loads(sys.argv[1])
-    print(json.dumps(compile_sm90(module, kernel, signature, constexprs, num_warps, num_stages, tuple(aligned))))
+    module, kernel, signature, constexprs, num_warps, num_stages, aligned, maxnreg = json.loads(sys.argv[1])
+    print(json.dumps(compile_sm90(module, kernel, signature, constexprs, num_warps, num_stages, tuple(aligned),
+                                  maxnreg)))

@@ -246,8 +246,8 @@ def attention_fwd_kernel(
 INTERPRETER_CONFIG = dict(BLOCK_M=64, BLOCK_N=64)
 
 
-def _cfg(bm, bn, warps, stages):
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, warps, stages, maxnreg=None):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=warps, num_stages=stages, maxnreg=maxnreg)
 
 
 # Hopper space (pruned per head dim / dtype below). 128-row query tiles with 8 warps feed wgmma at
@@ -258,6 +258,12 @@ GPU_CONFIGS = [
     _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 32, 8, 2),
     # d = 256: found by the offline sm_90a compile study (no spills with or without descriptors).
     _cfg(64, 32, 8, 3), _cfg(64, 64, 8, 2),
+    # Two or three CTAs per SM, so one CTA's softmax runs while another's wgmma does (what FA3 gets
+    # from ping-pong warpgroups, which triton 3.6 cannot express on sm_90). Every tile above takes one
+    # CTA per SM at d = 128 (128x64 w8 s2: 140 registers). Capped at 128 registers it compiles
+    # without spills in 98 KB of shared memory (sm_90a, d = 128, full and causal). At d = 64, 128x64 w4
+    # s3 takes 187 registers (2 CTAs); capped at 168, 3 CTAs with 4 bytes of spill.
+    _cfg(128, 64, 8, 2, maxnreg=128), _cfg(128, 64, 4, 3, maxnreg=168),
 ]
 # fp32 with input_precision="ieee" runs tl.dot on the FMA units, whose operand layouts hold far more per
 # thread: the 16-bit tiles above spill 40-105 KB per thread there and take 26-95 s to compile (sm_90a,
@@ -292,6 +298,8 @@ def _prune(configs, named_args, **kwargs):
     if ieee:
         return [fp32_ieee_config(block_d)]
     configs = [c for c in configs if c not in FP32_IEEE_CONFIGS]
+    if elem != 2 or block_d > 128:  # register caps were sized for 16-bit tiles up to d = 128
+        configs = [c for c in configs if c.maxnreg is None]
     kept = [c for c in configs
             if config_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, block_d, elem,
                            args.get("USE_DESC", True), args.get("HAS_MASK", False))]
