@@ -138,18 +138,20 @@ def test_fp32_ieee_attention_tile_does_not_spill():
     assert facts["spill_store_bytes"] == 0, (cfg, facts)
 
 
-@pytest.mark.parametrize("backward,dtype,algorithm", [(False, "bf16", "two_pass"), (False, "fp32", "online"),
-                                                      (True, "fp32", None)])
-def test_pipelined_softmax_loop_configs_fit_shared_memory(backward, dtype, algorithm):
+@pytest.mark.parametrize("backward,dtype,algorithm,persistent", [
+    (False, "bf16", "two_pass", False), (False, "fp32", "online", False), (True, "fp32", None, False),
+    (False, "bf16", "online", True), (True, "bf16", None, True)])
+def test_pipelined_softmax_loop_configs_fit_shared_memory(backward, dtype, algorithm, persistent):
     """The softmax chunk loops with LOOP_STAGES > 1: the kept config with the largest modeled buffers
-    compiles (aligned rows, so the loads pipeline) within shared memory, and the model bounds it."""
+    compiles (aligned rows, so the loads pipeline) within shared memory, and the model bounds it; the
+    persistent variants too (their chunk loops sit inside the loop over rows and must still pipeline)."""
     import torch
 
     from tilefuse.kernels import softmax as sm
 
     t = torch.empty(1, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     named = {"y_ptr": t, "dy_ptr": t} if backward else {"x_ptr": t}
-    kept = sm._prune_loop(sm._LOOP_CONFIGS, named)
+    kept = [c for c in sm._prune_loop(sm._LOOP_CONFIGS, named) if (c.kwargs["PROGRAMS_PER_SM"] > 0) == persistent]
     cfg = max(kept, key=lambda c: sm.loop_smem_bytes(c, t.element_size(), backward))
     model = sm.loop_smem_bytes(cfg, t.element_size(), backward)
     assert cfg.kwargs["LOOP_STAGES"] > 1 and model <= sm.LOOP_SMEM_BUDGET

@@ -249,3 +249,32 @@ def test_long_row_tuner_runs_either_choice(single, monkeypatch):
     y = S.softmax(x, dim=-1)
     assert_close(y, torch.softmax(x.double(), -1), 1e-5, f"long row single={single}")
     assert tuner.best_config is chosen
+
+
+@pytest.mark.skipif(ON_GPU, reason="drives the GPU launch path through the interpreter")
+@pytest.mark.parametrize("algorithm", ["online", "two_pass"])
+def test_persistent_chunk_loop_covers_every_row(algorithm, monkeypatch):
+    """The persistent loop configs launch fewer programs than row tiles (2 SMs x 1 here for 9 rows), so
+    each program walks several rows; every row, forward and backward, must come out right. The GPU's
+    tuned loop plan is forced with small caps so rows of 300 take it."""
+    from tilefuse import runtime
+
+    caps = dataclasses.replace(K.INTERPRETER_CAPS, num_sms=2)
+    monkeypatch.setattr(K, "GPU_CAPS", caps)
+    monkeypatch.setattr(K, "_caps", lambda interpret, device: caps)
+    monkeypatch.setattr(runtime, "device_facts", lambda device: (9, 2))
+    for tuner in (K.softmax_fwd_loop_tuned, K.softmax_bwd_loop_tuned):
+        persistent = [c for c in tuner.configs if c.kwargs["PROGRAMS_PER_SM"] == 1 and c.kwargs["BLOCK_N"] == 4096]
+        monkeypatch.setattr(tuner, "pinned", True)
+        monkeypatch.setattr(tuner, "configs", persistent[:1])
+        monkeypatch.setattr(tuner, "cache", {})
+    x = (torch.randn(9, 300, generator=torch.Generator().manual_seed(3)) * 4).requires_grad_()
+    y = S.softmax(x, dim=-1, algorithm=algorithm)
+    assert "persistent 1/SM" in S.last_config["config"], S.last_config
+    dy = torch.randn(9, 300, generator=torch.Generator().manual_seed(4))
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = torch.softmax(x64, -1)
+    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+    assert_close(y, y64, 1e-5, f"persistent fwd {algorithm}")
+    assert_close(dx, dx64, 1e-5, f"persistent bwd {algorithm}")

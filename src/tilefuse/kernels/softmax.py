@@ -48,7 +48,8 @@ def _load(rows, mask_m, offs_n, hi, stride_n, OTHER: tl.constexpr, EVICT: tl.con
 def _store(rows, mask_m, offs_n, hi, stride_n, value, WIDE: tl.constexpr):
     mask = mask_m[:, None] & (offs_n < hi)[None, :]
     ptrs = rows[:, None] + _cols(offs_n, stride_n, WIDE)[None, :]
-    tl.store(ptrs, value.to(rows.dtype.element_ty), mask=mask)
+    # Written once, never re-read here: leave L2 first, so a chunk-loop row stays for its second pass.
+    tl.store(ptrs, value.to(rows.dtype.element_ty), mask=mask, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -138,16 +139,15 @@ def _write_grad(y_rows, dy_rows, dx_rows, mask_m, lo, hi, stride_yn, stride_dyn,
 
 
 @triton.jit
-def _tile_rows(R_INNER, BLOCK_M: tl.constexpr):
-    """Program -> (outer row index, BLOCK_M consecutive inner row indices, their mask).
+def _tile_rows(tile, R_INNER, BLOCK_M: tl.constexpr):
+    """Row tile -> (outer row index, BLOCK_M consecutive inner row indices, their mask).
 
     Rows are (outer, inner) pairs so a dim that is not last needs no copy; consecutive inner rows
     keep the compiler's contiguity facts, which is what coalesces a tile of neighbouring rows.
     """
-    pid = tl.program_id(0)
     blocks_per_outer = tl.cdiv(R_INNER, BLOCK_M)
-    outer = (pid // blocks_per_outer).to(tl.int64)
-    offs_i = (pid % blocks_per_outer) * BLOCK_M + tl.arange(0, BLOCK_M)
+    outer = (tile // blocks_per_outer).to(tl.int64)
+    offs_i = (tile % blocks_per_outer) * BLOCK_M + tl.arange(0, BLOCK_M)
     return outer, offs_i.to(tl.int64), offs_i < R_INNER
 
 
@@ -169,17 +169,13 @@ def _segment_row(R, R_INNER, REVERSE: tl.constexpr):
 # Forward
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def softmax_fwd_kernel(
-    x_ptr, y_ptr,
-    N, R_INNER,
-    stride_xo, stride_xi, stride_xn,
-    stride_yo, stride_yi, stride_yn,
-    KEY_N, KEY_R,  # autotune keys only: power-of-two buckets of N and of R_INNER
+def _softmax_fwd_tile(
+    tile, x_ptr, y_ptr, N, R_INNER,
+    stride_xo, stride_xi, stride_xn, stride_yo, stride_yi, stride_yn,
     ALGORITHM: tl.constexpr, SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOOP_STAGES: tl.constexpr = 1,  # > 1: software-pipeline the chunk loops' loads (cp.async)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
-    outer, offs_i, mask_m = _tile_rows(R_INNER, BLOCK_M)
+    outer, offs_i, mask_m = _tile_rows(tile, R_INNER, BLOCK_M)
     x_rows = x_ptr + outer * stride_xo + offs_i * stride_xi
     y_rows = y_ptr + outer * stride_yo + offs_i * stride_yi
     if SINGLE_BLOCK:
@@ -195,6 +191,34 @@ def softmax_fwd_kernel(
         # two_pass ended its sum pass at the row start, online its stats pass at the row end.
         _write_probs(x_rows, y_rows, mask_m, 0, N, stride_xn, stride_yn, m, 1.0 / d,
                      ALGORITHM == "online", WIDE, BLOCK_N, LOOP_STAGES)
+
+
+@triton.jit
+def softmax_fwd_kernel(
+    x_ptr, y_ptr,
+    N, R_INNER,
+    stride_xo, stride_xi, stride_xn,
+    stride_yo, stride_yi, stride_yn,
+    KEY_N, KEY_R,  # autotune keys only: power-of-two buckets of N and of R_INNER
+    N_OUTER,       # R / R_INNER: with R_INNER, the number of row tiles
+    ALGORITHM: tl.constexpr, SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOOP_STAGES: tl.constexpr = 1,  # > 1: software-pipeline the chunk loops' loads (cp.async)
+    PROGRAMS_PER_SM: tl.constexpr = 0,  # > 0: persistent grid of that many programs per SM (see below)
+):
+    if PROGRAMS_PER_SM > 0:
+        # Few rows in flight at a time (one per program), so a chunk-loop row read in the first pass
+        # is still in L2 for the second: a 128K-column bf16 row is 256 KB, and one program per SM
+        # keeps 34 MB of rows live against a 50 MB L2.
+        num_tiles = N_OUTER * tl.cdiv(R_INNER, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=1):
+            _softmax_fwd_tile(tile, x_ptr, y_ptr, N, R_INNER, stride_xo, stride_xi, stride_xn,
+                              stride_yo, stride_yi, stride_yn, ALGORITHM, SINGLE_BLOCK, WIDE,
+                              BLOCK_M, BLOCK_N, LOOP_STAGES)
+    else:
+        _softmax_fwd_tile(tl.program_id(0), x_ptr, y_ptr, N, R_INNER, stride_xo, stride_xi, stride_xn,
+                          stride_yo, stride_yi, stride_yn, ALGORITHM, SINGLE_BLOCK, WIDE,
+                          BLOCK_M, BLOCK_N, LOOP_STAGES)
 
 
 @triton.jit
@@ -242,18 +266,13 @@ def softmax_split_write_kernel(
 # Backward: dx = y * (dy - sum(dy * y)) over the row
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def softmax_bwd_kernel(
-    y_ptr, dy_ptr, dx_ptr,
-    N, R_INNER,
-    stride_yo, stride_yi, stride_yn,
-    stride_dyo, stride_dyi, stride_dyn,
-    stride_dxo, stride_dxi, stride_dxn,
-    KEY_N, KEY_R,
-    SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOOP_STAGES: tl.constexpr = 1,  # > 1: software-pipeline the chunk loops' loads (cp.async)
+def _softmax_bwd_tile(
+    tile, y_ptr, dy_ptr, dx_ptr, N, R_INNER,
+    stride_yo, stride_yi, stride_yn, stride_dyo, stride_dyi, stride_dyn, stride_dxo, stride_dxi, stride_dxn,
+    SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
-    outer, offs_i, mask_m = _tile_rows(R_INNER, BLOCK_M)
+    outer, offs_i, mask_m = _tile_rows(tile, R_INNER, BLOCK_M)
     y_rows = y_ptr + outer * stride_yo + offs_i * stride_yi
     dy_rows = dy_ptr + outer * stride_dyo + offs_i * stride_dyi
     dx_rows = dx_ptr + outer * stride_dxo + offs_i * stride_dxi
@@ -268,6 +287,32 @@ def softmax_bwd_kernel(
                        LOOP_STAGES)
         _write_grad(y_rows, dy_rows, dx_rows, mask_m, 0, N, stride_yn, stride_dyn, stride_dxn, dot,
                     WIDE, BLOCK_N, LOOP_STAGES)
+
+
+@triton.jit
+def softmax_bwd_kernel(
+    y_ptr, dy_ptr, dx_ptr,
+    N, R_INNER,
+    stride_yo, stride_yi, stride_yn,
+    stride_dyo, stride_dyi, stride_dyn,
+    stride_dxo, stride_dxi, stride_dxn,
+    KEY_N, KEY_R,
+    N_OUTER,
+    SINGLE_BLOCK: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOOP_STAGES: tl.constexpr = 1,  # > 1: software-pipeline the chunk loops' loads (cp.async)
+    PROGRAMS_PER_SM: tl.constexpr = 0,  # > 0: persistent grid, as in the forward
+):
+    if PROGRAMS_PER_SM > 0:
+        num_tiles = N_OUTER * tl.cdiv(R_INNER, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=1):
+            _softmax_bwd_tile(tile, y_ptr, dy_ptr, dx_ptr, N, R_INNER, stride_yo, stride_yi, stride_yn,
+                              stride_dyo, stride_dyi, stride_dyn, stride_dxo, stride_dxi, stride_dxn,
+                              SINGLE_BLOCK, WIDE, BLOCK_M, BLOCK_N, LOOP_STAGES)
+    else:
+        _softmax_bwd_tile(tl.program_id(0), y_ptr, dy_ptr, dx_ptr, N, R_INNER, stride_yo, stride_yi,
+                          stride_yn, stride_dyo, stride_dyi, stride_dyn, stride_dxo, stride_dxi, stride_dxn,
+                          SINGLE_BLOCK, WIDE, BLOCK_M, BLOCK_N, LOOP_STAGES)
 
 
 @triton.jit
@@ -408,10 +453,12 @@ def _prune_block(configs, named_args, **kwargs):
 # Chunk loops: the first three are the original space; LOOP_STAGES = 3 pipelines the loads, so an SM
 # keeps more than one chunk in flight per row (one chunk per program at a time is ~55% of copy on the
 # H200 for the norms' loop, which has the same shape).
-_LOOP_CONFIGS = ([triton.Config({"BLOCK_M": 1, "BLOCK_N": bn, "LOOP_STAGES": 1}, num_warps=_warps(bn))
-                  for bn in (2048, 4096, 8192)]
-                 + [triton.Config({"BLOCK_M": 1, "BLOCK_N": bn, "LOOP_STAGES": 3}, num_warps=_warps(bn))
-                    for bn in (2048, 4096, 8192)])
+_LOOP_CONFIGS = ([triton.Config({"BLOCK_M": 1, "BLOCK_N": bn, "LOOP_STAGES": st, "PROGRAMS_PER_SM": 0},
+                                 num_warps=_warps(bn)) for st in (1, 3) for bn in (2048, 4096, 8192)]
+                 # Persistent: 1-2 rows in flight per SM, so pass 2 re-reads the row from L2 (rows of
+                 # 128K columns ran at 68% of copy on the H200 with a row per program: 3 trips, not 2).
+                 + [triton.Config({"BLOCK_M": 1, "BLOCK_N": bn, "LOOP_STAGES": 3, "PROGRAMS_PER_SM": p},
+                                  num_warps=_warps(bn)) for bn, p in ((8192, 1), (4096, 1), (4096, 2))])
 LOOP_SMEM_BUDGET = 220 * 1024
 
 
@@ -535,7 +582,7 @@ def launch_softmax_forward(x, y, layout: RowLayout, algorithm: str, interpret: b
                                          num_warps=p.num_warps)
         return f"{algorithm} {p.describe()}"
     n_outer = R // r_inner
-    args = (x, y, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(r_inner))
+    args = (x, y, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(r_inner), n_outer)
     if p.mode == "block" and p.tuned and AUTOTUNE and p.block_n >= LONG_ROW_MIN_N:
         def grid(meta):
             return (n_outer * cdiv(r_inner, meta["BLOCK_M"]),)
@@ -570,7 +617,8 @@ def launch_softmax_backward(y, dy, dx, layout: RowLayout, interpret: bool) -> st
                                              num_warps=p.num_warps)
         return f"backward {p.describe()}"
     n_outer = R // r_inner
-    args = (y, dy, dx, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(r_inner))
+    args = (y, dy, dx, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(r_inner),
+            n_outer)
     common = dict(SINGLE_BLOCK=p.mode == "block", WIDE=wide)
     return _launch_rows(softmax_bwd_kernel, softmax_bwd_block_tuned, softmax_bwd_loop_tuned,
                         p, args, common, n_outer, r_inner, "backward")
@@ -578,7 +626,9 @@ def launch_softmax_backward(y, dy, dx, layout: RowLayout, interpret: bool) -> st
 
 def _launch_rows(kernel, block_tuned, loop_tuned, p: Plan, args, common, n_outer, r_inner, name):
     def grid(meta):
-        return (n_outer * cdiv(r_inner, meta["BLOCK_M"]),)
+        tiles = n_outer * cdiv(r_inner, meta["BLOCK_M"])
+        per_sm = meta.get("PROGRAMS_PER_SM", 0)
+        return (min(tiles, per_sm * runtime.device_facts(args[0].device)[1]) if per_sm else tiles,)
 
     if p.tuned and AUTOTUNE:
         if p.mode == "block":
@@ -587,7 +637,8 @@ def _launch_rows(kernel, block_tuned, loop_tuned, p: Plan, args, common, n_outer
             return f"{name} block {cfg.kwargs['BLOCK_M']}x{p.block_n} w{cfg.num_warps} (tuned)"
         loop_tuned[grid](*args, **common)
         cfg = loop_tuned.best_config
+        per_sm = cfg.kwargs.get("PROGRAMS_PER_SM", 0)
         return (f"{name} loop 1x{cfg.kwargs['BLOCK_N']} w{cfg.num_warps} stages {cfg.kwargs['LOOP_STAGES']}"
-                " (tuned)")
+                + (f" persistent {per_sm}/SM" if per_sm else "") + " (tuned)")
     kernel[grid](*args, **common, BLOCK_M=p.block_m, BLOCK_N=p.block_n, num_warps=p.num_warps)
     return f"{name} {p.describe()}"
