@@ -36,3 +36,13 @@ def test_report_selects_bench_rows_by_dtype_and_label(tmp_path):
                         dtypes=["bf16"], case_filter=[r"^M(1|16) "])
     rows = result["ops"]["linear"]["speed"]
     assert [(r["case"], r["dtype"]) for r in rows] == [("M1 K4096 N4096 gelu", "bf16"), ("M16 K4096 N4096 gelu", "bf16")]
+
+
+def test_report_refuses_an_anchor_pattern_that_matches_nothing(tmp_path):
+    # "cublaslt" is not a whole anchor name ("cublaslt_epilogue" is): the run would silently lose that
+    # column, so the CLI stops before any work and lists the names there are.
+    bad = subprocess.run([sys.executable, "-m", "tilefuse", "report", "--ops", "linear", "--anchors", "cublaslt",
+                          "torch.compile", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 2, bad.stderr
+    assert "--anchors cublaslt matches no anchor" in bad.stderr and "cublaslt_epilogue" in bad.stderr
+    assert not (tmp_path / "report.json").exists()

@@ -82,7 +82,7 @@ def cmd_info() -> int:
 def cmd_report(args) -> int:
     _prepare_interpreter()
     from tilefuse import registry
-    from tilefuse.harness.report import run_report
+    from tilefuse.harness.report import ReportArgumentError, run_report
 
     for name in args.ops or []:
         if name not in registry.REGISTRY:
@@ -90,9 +90,13 @@ def cmd_report(args) -> int:
                   file=sys.stderr)
             return 2
 
-    result = run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
-                        anchor_filter=args.anchors, show_progress=not args.no_progress,
-                        dtypes=args.dtype, case_filter=args.cases)
+    try:
+        result = run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
+                            anchor_filter=args.anchors, show_progress=not args.no_progress,
+                            dtypes=args.dtype, case_filter=args.cases)
+    except ReportArgumentError as exc:
+        print(f"tilefuse report: {exc}", file=sys.stderr)
+        return 2
     failed = [f"{name}: {a['case']} {a['dtype']}" for name, op in result["ops"].items()
               for a in op["accuracy"] if not a["pass"]]
     print(f"wrote {os.path.join(args.out, 'REPORT.md')}, report.json and plots")

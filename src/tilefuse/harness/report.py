@@ -138,6 +138,22 @@ def _safe_bench(fn):
         return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
+class ReportArgumentError(ValueError):
+    """A report argument that selects nothing (raised before any GPU work)."""
+
+
+def check_anchor_filter(anchor_filter, specs, bench_plan) -> None:
+    """Every --anchors pattern must match (whole) some anchor of the selected rows; one that matches
+    nothing would silently drop the comparison it was meant to select."""
+    if not anchor_filter:
+        return
+    names = {"eager unfused"} | {n for s in specs for p in bench_plan[s.name] for n in s.anchors(p)}
+    unmatched = [f for f in anchor_filter if not any(re.fullmatch(f, n) for n in names)]
+    if unmatched:
+        raise ReportArgumentError(f"--anchors {' '.join(unmatched)} matches no anchor of the selected rows "
+                         f"(whole names; they have: {', '.join(sorted(names))})")
+
+
 def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filter=None,
                show_progress=True, dtypes=None, case_filter=None) -> dict:
     from rich.progress import Progress
@@ -145,16 +161,17 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     on_gpu = torch.cuda.is_available()
     seeds = seeds or (20 if on_gpu else 3)
     specs = [registry.get(n) for n in ops] if ops else list(registry.REGISTRY.values())
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {}}
-    result["ceilings"] = measure_ceilings() if on_gpu else {}
 
     def selected(spec, params):
         return ((dtypes is None or registry.dtype_name(params["dtype"]) in dtypes)
                 and (not case_filter or any(re.search(f, spec.label(params)) for f in case_filter)))
 
     bench_plan = {s.name: [p for p in s.bench_cases if selected(s, p)] for s in specs}
+    check_anchor_filter(anchor_filter, specs, bench_plan)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {}}
+    result["ceilings"] = measure_ceilings() if on_gpu else {}
     if quick:
         bench_plan = {name: cases[:2] for name, cases in bench_plan.items()}
     total = sum(len(s.accuracy_cases["gpu" if on_gpu else "cpu"]) * seeds for s in specs)
