@@ -224,13 +224,17 @@ def test_million_column_rows(rows, algorithm):
     x = _rand(rows, 1 << 20, device="cuda", seed=10, scale=4.0).requires_grad_()
     y = S.softmax(x, -1, algorithm=algorithm)
     assert "split" in S.last_config["config"]
-    dy = _rand(rows, 1 << 20, device="cuda", seed=11)
+    _check_fwd_bwd(x, y, _rand(rows, 1 << 20, device="cuda", seed=11), f"1M {rows} {algorithm}")
+
+
+def _check_fwd_bwd(x, y, dy, what):
+    """y = softmax(x, -1) and its gradient for dy, both against float64 torch."""
     (dx,) = torch.autograd.grad(y, x, dy)
     x64 = x.detach().double().requires_grad_()
     y64 = torch.softmax(x64, -1)
     (dx64,) = torch.autograd.grad(y64, x64, dy.double())
-    assert_close(y, y64, 1e-5, f"1M fwd {rows} {algorithm}")
-    assert_close(dx, dx64, 1e-5, f"1M bwd {rows} {algorithm}")
+    assert_close(y, y64, 1e-5, f"{what} fwd")
+    assert_close(dx, dx64, 1e-5, f"{what} bwd")
 
 
 @pytest.mark.skipif(ON_GPU, reason="drives the GPU launch path through the interpreter")
@@ -271,10 +275,4 @@ def test_persistent_chunk_loop_covers_every_row(algorithm, monkeypatch):
     x = (torch.randn(9, 300, generator=torch.Generator().manual_seed(3)) * 4).requires_grad_()
     y = S.softmax(x, dim=-1, algorithm=algorithm)
     assert "persistent 1/SM" in S.last_config["config"], S.last_config
-    dy = torch.randn(9, 300, generator=torch.Generator().manual_seed(4))
-    (dx,) = torch.autograd.grad(y, x, dy)
-    x64 = x.detach().double().requires_grad_()
-    y64 = torch.softmax(x64, -1)
-    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
-    assert_close(y, y64, 1e-5, f"persistent fwd {algorithm}")
-    assert_close(dx, dx64, 1e-5, f"persistent bwd {algorithm}")
+    _check_fwd_bwd(x, y, torch.randn(9, 300, generator=torch.Generator().manual_seed(4)), f"persistent {algorithm}")
