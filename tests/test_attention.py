@@ -235,3 +235,22 @@ def test_gpu_window_long_sequence():
     q, k, v = _qkv(1, 4, 2, 8192, 8192, 128, "cuda", BF16)
     out = attention(q, k, v, causal=True, window=(1023, 0))
     assert_close(out, ref.attention(*_f64(q, k, v), causal=True, window=(1023, 0)), 1e-2, "sliding 1024")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
+def test_register_capped_tiles_match_reference(d, causal, monkeypatch):
+    """The maxnreg tiles (2-3 CTAs per SM) are tuner candidates that the pinned GPU tests never reach:
+    force each, on a shape large enough for the tuner's path, and check the result."""
+    from tilefuse.kernels import attention as K
+
+    q, k, v = _qkv(2, 4, 2, 640, 600, d, "cuda", BF16)
+    kept = K._prune(K.GPU_CONFIGS, {"q_ptr": q}, BLOCK_D=d, USE_DESC=True, HAS_MASK=False, INPUT_PRECISION="tf32")
+    capped = [c for c in kept if c.maxnreg is not None]
+    tuner = K.attention_fwd_autotuned
+    monkeypatch.setattr(tuner, "pinned", True)
+    monkeypatch.setattr(tuner, "configs", capped)
+    monkeypatch.setattr(tuner, "cache", {})
+    out = attention(q, k, v, causal=causal)
+    assert capped and last_config["config"].maxnreg == capped[0].maxnreg
+    assert_close(out, ref.attention(*_f64(q, k, v), causal=causal), REL_L2_BOUND[BF16], f"capped d={d}")

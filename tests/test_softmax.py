@@ -276,3 +276,20 @@ def test_persistent_chunk_loop_covers_every_row(algorithm, monkeypatch):
     y = S.softmax(x, dim=-1, algorithm=algorithm)
     assert "persistent 1/SM" in S.last_config["config"], S.last_config
     _check_fwd_bwd(x, y, torch.randn(9, 300, generator=torch.Generator().manual_seed(4)), f"persistent {algorithm}")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("per_sm,block_n", [(1, 8192), (2, 4096)])
+def test_persistent_chunk_loop_on_gpu(per_sm, block_n, monkeypatch):
+    """The persistent loop configs are tuner candidates the pinned GPU tests never reach: force each on
+    rows that take the chunk loop (more than 16K columns, more rows than programs)."""
+    for tuner in (K.softmax_fwd_loop_tuned, K.softmax_bwd_loop_tuned):
+        chosen = [c for c in tuner.configs
+                  if c.kwargs["PROGRAMS_PER_SM"] == per_sm and c.kwargs["BLOCK_N"] == block_n]
+        monkeypatch.setattr(tuner, "pinned", True)
+        monkeypatch.setattr(tuner, "configs", chosen)
+        monkeypatch.setattr(tuner, "cache", {})
+    x = _rand(600, 20000, device="cuda", seed=12, scale=4.0).requires_grad_()
+    y = S.softmax(x, -1, algorithm="online")
+    assert f"persistent {per_sm}/SM" in S.last_config["config"], S.last_config
+    _check_fwd_bwd(x, y, _rand(600, 20000, device="cuda", seed=13), f"persistent {per_sm}/SM")
