@@ -46,3 +46,15 @@ def test_report_refuses_an_anchor_pattern_that_matches_nothing(tmp_path):
     assert bad.returncode == 2, bad.stderr
     assert "--anchors cublaslt matches no anchor" in bad.stderr and "cublaslt_epilogue" in bad.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_every_anchor_can_be_listed_without_running_it():
+    # The --anchors check builds every selected row's anchors before any work, on any device: building
+    # one must not run anything (flex_attention's block mask is made by its first call).
+    from tilefuse import registry
+    from tilefuse.harness.report import check_anchor_filter
+
+    specs = list(registry.REGISTRY.values())
+    plan = {s.name: s.bench_cases for s in specs}
+    check_anchor_filter(["liger", "torch.compile", "torch.compile max-autotune", "cublaslt_epilogue",
+                         "sdpa (flash|cudnn|efficient)", "flex_attention"], specs, plan)

@@ -95,20 +95,24 @@ def _flex_anchor(params):
     left, right = window if window is not None else (-1, -1)
     right = 0 if causal else right
     offset = Nk - Nq
-    block_mask = None
-    if left >= 0 or right >= 0:
-        def mask_mod(b, h, q_idx, kv_idx):
-            ok = kv_idx >= 0
-            if right >= 0:
-                ok = ok & (kv_idx <= q_idx + offset + right)
-            if left >= 0:
-                ok = ok & (kv_idx >= q_idx + offset - left)
-            return ok
-        block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=Nq, KV_LEN=Nk, device="cuda")
+    masked = left >= 0 or right >= 0
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = kv_idx >= 0
+        if right >= 0:
+            ok = ok & (kv_idx <= q_idx + offset + right)
+        if left >= 0:
+            ok = ok & (kv_idx >= q_idx + offset - left)
+        return ok
+
     compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = {}  # built by the first (untimed) call, on the inputs' device: listing anchors is free
 
     def run(q, k, v, causal, window, scale, return_lse):
-        return compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=Hq != Hkv)
+        if "mask" not in block_mask:
+            block_mask["mask"] = (create_block_mask(mask_mod, B=None, H=None, Q_LEN=Nq, KV_LEN=Nk, device=q.device)
+                                  if masked else None)
+        return compiled(q, k, v, block_mask=block_mask["mask"], scale=scale, enable_gqa=Hq != Hkv)
     return run
 
 
