@@ -96,7 +96,10 @@ def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_f
             return row
         row["ms"] = bench_ms(lambda: spec.fused(**inputs))
         row["host_us"] = host_us(lambda: spec.fused(**inputs))
-        row["graph_ms"] = graph_ms(lambda: spec.fused(**inputs))
+        # Backward rows replay autograd.grad, whose kernels the autograd engine issues on the forward's
+        # stream, not the capturing one: capturing them would fail (and may poison the context).
+        row["graph_ms"] = (graph_ms(lambda: spec.fused(**inputs)) if "graph_cache" not in inputs
+                           else "not captured (autograd)")
         row["config"] = spec.config_used()
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
