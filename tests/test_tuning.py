@@ -524,3 +524,14 @@ def test_shipped_tables_match_the_kernels_they_name():
                 assert names == [k for k in tuner.keys if k in names] and set(names) <= set(tuner.keys), (kernel, key)
                 config = tuning.config_from_dict(entry["config"])
                 assert frozenset(config.kwargs) == tuner._param_names, (kernel, key, config.kwargs)
+
+
+def test_describe_tells_row_kernel_variants_apart():
+    # The report lists the configs a choice beat: variants that differ only in pipelining depth,
+    # persistence or register cap must not read the same.
+    loop = dict(BLOCK_M=1, BLOCK_N=8192, LOOP_STAGES=3)
+    texts = {tuning.describe(triton.Config({**loop, "PROGRAMS_PER_SM": p}, num_warps=16)) for p in (0, 1, 2)}
+    texts.add(tuning.describe(triton.Config({**loop, "LOOP_STAGES": 1, "PROGRAMS_PER_SM": 0}, num_warps=16)))
+    texts.add(tuning.describe(triton.Config(dict(BLOCK_M=128, BLOCK_N=64), num_warps=8, num_stages=2, maxnreg=128)))
+    texts.add(tuning.describe(triton.Config(dict(BLOCK_M=128, BLOCK_N=64), num_warps=8, num_stages=2)))
+    assert len(texts) == 6, texts

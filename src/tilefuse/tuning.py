@@ -646,6 +646,13 @@ def describe(config) -> str:
     tile = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in kw)
     flags = "".join(f" {name}" for key, name in (("WARP_SPECIALIZE", "ws"), ("EPILOGUE_SUBTILE", "subtile"))
                     if kw.get(key))
+    # Row kernels: loop pipelining depth, persistent programs per SM, chunked (two-pass) rows.
+    if kw.get("LOOP_STAGES", 1) > 1:
+        flags += f" loop-stages {kw['LOOP_STAGES']}"
+    if kw.get("PROGRAMS_PER_SM") not in (None, 0, 64):
+        flags += f" {kw['PROGRAMS_PER_SM']}/SM"
+    if kw.get("SINGLE_PASS") is False:
+        flags += " chunked"
     return f"{tile}{extra}{flags}"
 
 
