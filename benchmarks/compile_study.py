@@ -21,6 +21,7 @@ import triton.compiler  # noqa: E402
 from tilefuse import tuning  # noqa: E402
 from tilefuse.harness.compiler import compile_sm90  # noqa: E402
 from tilefuse.kernels import attention as att, norms as nm, softmax as sm  # noqa: E402
+from tilefuse.kernels.tiling import next_pow2  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
 BF16, FP32 = "*bf16", "*fp32"
@@ -118,12 +119,12 @@ def softmax_jobs():
                 yield job((M, "softmax_split_stats_kernel"), {**tens("x"), "m_ptr": FP32, "d_ptr": FP32, **seg,
                           **st("x")}, dict(ALGORITHM=alg, **ws), p.num_warps, **common, algorithm=alg, BLOCK_N=p.block_n)
                 yield job((M, "softmax_split_write_kernel"), {**tens("x", "y"), "m_ptr": FP32, "d_ptr": FP32,
-                          **seg, **st("x", "y")}, dict(ALGORITHM=alg, BLOCK_S=sm._pow2(p.segments), **ws),
+                          **seg, **st("x", "y")}, dict(ALGORITHM=alg, BLOCK_S=next_pow2(p.segments), **ws),
                           p.num_warps, **common, algorithm=alg, BLOCK_N=p.block_n)
             yield job((M, "softmax_bwd_split_dot_kernel"), {**tens("y", "dy"), "part_ptr": FP32, **seg,
                       **st("y", "dy")}, ws, p.num_warps, **common, BLOCK_N=p.block_n)
             yield job((M, "softmax_bwd_split_write_kernel"), {**tens("y", "dy", "dx"), "part_ptr": FP32, **seg,
-                      **st("y", "dy", "dx")}, dict(BLOCK_S=sm._pow2(p.segments), **ws), p.num_warps,
+                      **st("y", "dy", "dx")}, dict(BLOCK_S=next_pow2(p.segments), **ws), p.num_warps,
                       **common, BLOCK_N=p.block_n)
             continue
         fwd_args = {**tens("x", "y"), "N": N, "R_INNER": R, **st("x", "y"), **keys}

@@ -61,6 +61,8 @@ import triton
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.errors import OutOfResources, PTXASError
 
+from tilefuse.kernels.tiling import next_pow2
+
 try:  # POSIX advisory locks; elsewhere writers still replace atomically but may drop a concurrent key
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -630,7 +632,7 @@ PORTABLE_GEMM_CONFIGS = [
 
 def m_bucket(m: int) -> int:
     """Autotune key for the row count: the next power of two, so a new batch size rarely retunes."""
-    return 1 << max(0, (m - 1).bit_length()) if m > 0 else 0
+    return next_pow2(m) if m > 0 else 0
 
 
 def describe(config) -> str:

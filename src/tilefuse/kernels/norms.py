@@ -382,7 +382,7 @@ def launch_norm_fwd(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, is_rms,
             h2d if h2d is not None else dummy, mean, rstd, M, N,
             x2d.stride(0), res2d.stride(0) if res2d is not None else 0,
             y2d.stride(0) if y2d is not None else 0, h2d.stride(0) if h2d is not None else 0,
-            float(eps), _m_bucket(M))
+            float(eps), tuning.m_bucket(M))
     flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=res2d is not None, HAS_WEIGHT=weight is not None,
                  HAS_BIAS=bias is not None, STORE_Y=store_y)
     if interpret:
@@ -401,10 +401,6 @@ def launch_norm_fwd(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, is_rms,
     return dict(BLOCK_M=cfg.kwargs["BLOCK_M"], BLOCK_N=cfg.kwargs["BLOCK_N"], warps=cfg.num_warps,
                 progs_per_sm=cfg.kwargs["PROGRAMS_PER_SM"], single_pass=cfg.kwargs["SINGLE_PASS"],
                 loop_stages=cfg.kwargs["LOOP_STAGES"])
-
-
-def _m_bucket(m: int) -> int:
-    return 1 << max(0, (m - 1).bit_length()) if m > 0 else 0
 
 
 def launch_norm_bwd(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_dw, compute_db, interpret):

@@ -390,10 +390,6 @@ class Plan:
         return s + (f" {self.segments}x{self.seg_len}" if self.mode == "split" else "")
 
 
-def _pow2(n: int) -> int:
-    return next_pow2(max(int(n), 1))
-
-
 def _warps(tile: int) -> int:
     # ~16 fp32 values per thread: enough loads in flight per SM without spilling.
     return max(1, min(16, tile // 512))
@@ -406,9 +402,9 @@ def plan(rows: int, r_inner: int, n: int, rows_adjacent: bool, elem_size: int, c
         # Tile tall in rows so each column slice is >= one 32-byte sector; as wide as fits.
         # One tile per row block when it fits max_tile, else a chunk loop at the smaller target tile
         # (the loop also holds the lane sums: twice the registers).
-        bm = min(_pow2(r_inner), 64, max(32 // elem_size, caps.tile // _pow2(n)))
-        if bm * _pow2(n) <= caps.max_tile and n <= caps.max_block_n:
-            return Plan("block", bm, _pow2(n), _warps(bm * _pow2(n)))
+        bm = min(next_pow2(r_inner), 64, max(32 // elem_size, caps.tile // next_pow2(n)))
+        if bm * next_pow2(n) <= caps.max_tile and n <= caps.max_block_n:
+            return Plan("block", bm, next_pow2(n), _warps(bm * next_pow2(n)))
         bn = min(max(1, caps.tile // bm), caps.max_block_n // 2)
         return Plan("loop", bm, bn, _warps(bm * bn))
     if n > caps.max_block_n and rows < 2 * caps.num_sms:
@@ -421,7 +417,7 @@ def plan(rows: int, r_inner: int, n: int, rows_adjacent: bool, elem_size: int, c
             return Plan("split", 1, bn, _warps(bn), segs, seg_len)
     tuned = caps is GPU_CAPS
     if n <= caps.max_block_n:
-        bn = _pow2(n)
+        bn = next_pow2(n)
         bm = block_rows(bn, r_inner, caps)
         return Plan("block", bm, bn, _warps(bm * bn), tuned=tuned)
     return Plan("loop", caps.loop_rows, caps.loop_block_n, _warps(caps.loop_rows * caps.loop_block_n),
@@ -429,7 +425,7 @@ def plan(rows: int, r_inner: int, n: int, rows_adjacent: bool, elem_size: int, c
 
 
 def block_rows(block_n: int, r_inner: int, caps: Caps) -> int:
-    return max(1, min(caps.tile // block_n, _pow2(r_inner), 1024))
+    return max(1, min(caps.tile // block_n, next_pow2(r_inner), 1024))
 
 
 # Autotune (GPU only): the heuristic plan and two neighbours, keyed on power-of-two buckets.
@@ -445,7 +441,7 @@ def _prune_block(configs, named_args, **kwargs):
     bm = block_rows(bn, r_inner, GPU_CAPS)
     w = _warps(bm * bn)
     keep = {(bm, w), (bm, max(1, w // 2))}
-    if 2 * bm <= _pow2(r_inner) and 2 * bm * bn <= GPU_CAPS.max_tile:
+    if 2 * bm <= next_pow2(r_inner) and 2 * bm * bn <= GPU_CAPS.max_tile:
         keep.add((2 * bm, _warps(2 * bm * bn)))
     return [c for c in configs if (c.kwargs["BLOCK_M"], c.num_warps) in keep]
 
@@ -509,7 +505,7 @@ def _long_row_configs():
 
 
 def _prune_long(configs, named_args, **kwargs):
-    full = _pow2(named_args["N"])
+    full = next_pow2(named_args["N"])
     single_kept = {(c.kwargs["BLOCK_M"], c.num_warps)
                    for c in _prune_block(_block_config_space(), {**named_args, "BLOCK_N": full})}
     elem = named_args["x_ptr"].element_size()
@@ -578,7 +574,7 @@ def launch_softmax_forward(x, y, layout: RowLayout, algorithm: str, interpret: b
                                          BLOCK_N=p.block_n, num_warps=p.num_warps)
         softmax_split_write_kernel[grid](x, y, ws[0], ws[1], N, R, r_inner, p.seg_len, p.segments,
                                          sxo, sxi, sxn, syo, syi, syn, ALGORITHM=algorithm, WIDE=wide,
-                                         BLOCK_N=p.block_n, BLOCK_S=_pow2(p.segments),
+                                         BLOCK_N=p.block_n, BLOCK_S=next_pow2(p.segments),
                                          num_warps=p.num_warps)
         return f"{algorithm} {p.describe()}"
     n_outer = R // r_inner
@@ -613,7 +609,7 @@ def launch_softmax_backward(y, dy, dx, layout: RowLayout, interpret: bool) -> st
                                            num_warps=p.num_warps)
         softmax_bwd_split_write_kernel[grid](y, dy, dx, part, N, R, r_inner, p.seg_len, p.segments,
                                              syo, syi, syn, sdo, sdi, sdn, sxo, sxi, sxn, WIDE=wide,
-                                             BLOCK_N=p.block_n, BLOCK_S=_pow2(p.segments),
+                                             BLOCK_N=p.block_n, BLOCK_S=next_pow2(p.segments),
                                              num_warps=p.num_warps)
         return f"backward {p.describe()}"
     n_outer = R // r_inner
