@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import runtime, tuning
-from tilefuse.kernels.tiling import cdiv, next_pow2
+from tilefuse.kernels.tiling import cdiv, ensure_descriptor_allocator, next_pow2
 
 LOG2E = 1.4426950408889634
 # A finite additive mask below this would overflow to -inf once multiplied by log2(e); clamping keeps
@@ -340,10 +340,6 @@ def heuristic_config(block_d: int, elem_bytes: int, input_precision: str = "tf32
     return _cfg(64, 32, 8, 3) if elem_bytes == 2 else _cfg(64, 32, 4, 2)
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def descriptors_usable(*tensors) -> bool:
     """TMA needs a unit last stride, 16-byte-aligned base and outer strides, and no broadcast (0) stride."""
     for t in tensors:
@@ -370,7 +366,7 @@ def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left,
         use_desc = (not interpret and q.is_cuda and runtime.device_facts(q.device)[0] >= 9
                     and descriptors_usable(q, k, v, out))
     if use_desc:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))
+        ensure_descriptor_allocator()
     has_mask = mask is not None
     mask_is_bool = has_mask and mask.dtype == torch.bool
     if mask_is_bool:
@@ -380,7 +376,7 @@ def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
             B, Hq, Nq, Nk, d, Hq // Hkv, Hkv,
             scale * LOG2E, pos_offset, max(window_left, 0), max(window_right, 0),
-            _bucket(Nq), _bucket(Nk))
+            tuning.m_bucket(Nq), tuning.m_bucket(Nk))
     flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_MASK=has_mask,
                  MASK_IS_BOOL=mask_is_bool, STORE_LSE=lse is not None, EVEN_D=d == block_d,
                  USE_DESC=use_desc, INPUT_PRECISION=input_precision, BLOCK_D=block_d)

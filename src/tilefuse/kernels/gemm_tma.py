@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import runtime, tuning
-from tilefuse.kernels.tiling import cdiv, grouped_tile
+from tilefuse.kernels.tiling import cdiv, ensure_descriptor_allocator, grouped_tile
 from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
 from tilefuse.kernels.gemm_epilogue import prune_gated_configs
 
@@ -120,19 +120,6 @@ def tma_supported(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
     return True
 
 
-_allocator_set = False
-
-
-
-
-def _ensure_allocator():
-    # Device-side tensor descriptors need scratch memory for the descriptors themselves.
-    global _allocator_set
-    if not _allocator_set:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _allocator_set = True
-
-
 linear_tma_autotuned = tuning.autotune(
     name="linear_tma",
     configs=[_tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS],
@@ -144,7 +131,7 @@ linear_tma_autotuned = tuning.autotune(
 def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, b_up=None):
     """Persistent TMA launch. ``config`` pins one config (benchmarks of variants); None autotunes.
     ``w_up``/``b_up``: the up-projection of a gated activation."""
-    _ensure_allocator()
+    ensure_descriptor_allocator()
     M, K = x2d.shape
     N = w.shape[0]
     num_sms = runtime.device_facts(x2d.device)[1]

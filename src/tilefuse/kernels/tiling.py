@@ -1,4 +1,5 @@
-"""Tile-order helpers shared by the GEMM kernels."""
+"""Tile-order helpers shared by the GEMM kernels, and host-side helpers every launcher uses."""
+import torch
 import triton
 import triton.language as tl
 
@@ -26,3 +27,15 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+_descriptor_allocator_set = False
+
+
+def ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors (tl.make_tensor_descriptor) need global scratch for the
+    descriptors themselves, taken from the allocator triton is given; set it once per process."""
+    global _descriptor_allocator_set
+    if not _descriptor_allocator_set:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _descriptor_allocator_set = True
