@@ -12,7 +12,8 @@ import sys
 import torch
 
 from tilefuse import registry
-from tilefuse.harness.host_path import host_us, stubbed_launches
+from tilefuse.harness.host_path import stubbed_launches
+from tilefuse.harness.timing import host_us
 from rows import collect
 
 # One small case per op: the host path does not depend on the size (CPU allocations of bench-size
@@ -54,7 +55,7 @@ def measure(op: str, shape) -> dict:
         fn = lambda: spec.fused(**inputs)  # noqa: E731
         fn()
         kernels = [launch.kernel for launch in launches]
-        return {"op": op, "shape": list(shape), "kernels": kernels, "host_us": round(host_us(fn), 1),
+        return {"op": op, "shape": list(shape), "kernels": kernels, "host_us": round(host_us(fn, calls=100, rounds=30, warmup=20), 1),
                 "python_calls": python_calls(fn)}
 
 

@@ -11,7 +11,6 @@ the H200 it adds its own tens of microseconds (benchmarks/host_overhead.py measu
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -65,18 +64,3 @@ def stubbed_launches(sms: int = 132, major: int = 9):
             del torch.Tensor.is_cuda
         else:
             torch.Tensor.is_cuda = own_is_cuda
-
-
-def host_us(fn, calls: int = 100, rounds: int = 30, warmup: int = 20) -> float:
-    """Microseconds of host time per call of ``fn``, the best of ``rounds`` rounds of ``calls`` (a shared CPU's
-    noise only ever adds time). Inside ``stubbed_launches`` this is the dispatch alone; on a GPU,
-    without synchronizing, it is the CPU cost of a call while the launch queue has room."""
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best

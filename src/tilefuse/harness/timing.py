@@ -51,20 +51,25 @@ def graph_ms(fn, reps: int = 50) -> float | str | None:
         return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
 
 
-def host_us(fn, calls: int = 20, rounds: int = 3) -> float | None:
-    """Microseconds of CPU time one call of ``fn`` takes to issue its work (checks, dispatch, launch),
-    the best of a few rounds, without synchronizing inside a round. When this exceeds the kernel time,
-    do_bench measures the host, not the GPU: the report shows both so that such rows are visible."""
-    if not torch.cuda.is_available():
-        return None
+def host_us(fn, calls: int = 20, rounds: int = 3, warmup: int = 0) -> float:
+    """Microseconds of CPU time one call of ``fn`` takes to issue its work (checks, dispatch, launch):
+    the best of ``rounds`` rounds of ``calls`` calls (a shared CPU's noise only ever adds time), with no
+    synchronization inside a round. When this exceeds the kernel time, do_bench measures the host, not
+    the GPU: the report shows both so that such rows are visible. Also times the stubbed launch path
+    on a CPU (tilefuse.harness.host_path)."""
+    on_gpu = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
     best = float("inf")
     for _ in range(rounds):
-        torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     return best
 
 
