@@ -37,8 +37,7 @@ def pinned_tuners(monkeypatch):
     """Every autotuner picks its first pruned config, as the GPU tests do (TILEFUSE_AUTOTUNE=0), with
     fresh in-process caches so this test settles its own keys."""
     from tilefuse.kernels import attention, gemm_epilogue, gemm_tma, norm_linear, norms, softmax  # noqa: F401
-    tuners = [obj for mod in (attention, gemm_epilogue, gemm_tma, norm_linear, norms, softmax)
-              for obj in vars(mod).values() if isinstance(obj, tuning.TableAutotuner)]
+    tuners = list(tuning._TUNERS.values())
     for t in tuners:
         monkeypatch.setattr(t, "pinned", True)
         monkeypatch.setattr(t, "cache", {})
