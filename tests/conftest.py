@@ -81,3 +81,20 @@ def pytest_runtest_logreport(report):
         text = report.longreprtext.strip().splitlines()
         with open(_FAIL_LOG, "a") as f:
             f.write(f"FAILED {report.nodeid} [{report.when}]\n  " + "\n  ".join(text[-6:]) + "\n")
+
+
+@pytest.fixture
+def tma_launch_device(monkeypatch):
+    """The device for tests that launch the Hopper (TMA) kernels directly: the GPU, or on a CPU the
+    interpreter (which runs tensor descriptors) with an sm_90 device of 3 SMs, so persistent programs
+    loop over several tiles, and descriptor scratch in host memory."""
+    if ON_GPU:
+        return torch.device("cuda")
+    import triton
+    from tilefuse import runtime
+    from tilefuse.kernels import tiling
+
+    monkeypatch.setattr(runtime, "device_facts", lambda device: (9, 3))
+    monkeypatch.setattr(tiling, "_descriptor_allocator_set", True)
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+    return torch.device("cpu")

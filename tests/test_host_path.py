@@ -26,7 +26,8 @@ CASES = {
     "layer_norm": ((64, 4096), ["norm_fwd_kernel"]),
     "rms_norm": ((64, 4096), ["norm_fwd_kernel"]),
     "softmax": ((64, 4096), ["softmax_fwd_kernel"]),
-    "layer_norm_linear": ((256, 1024, 1024), ["norm_fwd_kernel", "norm_linear_kernel"]),
+    # Hopper form: gamma folded into W, then the TMA GEMM, which sums the rows and normalizes in its epilogue
+    "layer_norm_linear": ((256, 1024, 1024), ["weight_fold_kernel", "linear_tma_kernel"]),
     "attention": ((1, 4, 4, 128, 128), ["attention_fwd_kernel"]),
     "sdpa": ((1, 2, 2, 128, 128, 64), ["attention_fwd_kernel"]),
 }

@@ -223,3 +223,29 @@ def test_norm_linear_refuses_grad(device):
         tilefuse.layer_norm_linear(x, None, None, _rand(5, 4, device=device))
     with torch.no_grad():
         tilefuse.layer_norm_linear(x, None, None, _rand(5, 4, device=device))
+
+
+@pytest.mark.parametrize("norm,affine,has_bias,activation", [
+    ("layer", True, True, "gelu"), ("layer", False, False, None), ("layer", True, False, "silu"),
+    ("rms", True, True, None), ("rms", False, False, "relu"), ("rms", False, True, "gelu_tanh"),
+])
+def test_norm_linear_epilogue_form_matches_float64(tma_launch_device, norm, affine, has_bias, activation):
+    """The Hopper form (gamma folded into W, row statistics summed by the GEMM from its x tiles and applied
+    after it) on tails in M, N and K (K = 96 is one and a half 64-wide steps: the zero-filled half must not
+    count), and rows whose mean is 8x their spread: centring after the GEMM must not cancel precision away."""
+    from tilefuse.kernels import norm_linear
+
+    dev = tma_launch_device
+    M, K, N = 37, 96, 40  # 16-byte rows for TMA; none a multiple of its tile
+    x = _rand(M, K, device=dev, dtype=FP16, mean=4.0, std=0.5)
+    gw = _rand(K, device=dev, dtype=FP16, seed=1, mean=1.0) if affine else None
+    gb = _rand(K, device=dev, dtype=FP16, seed=2) if affine and norm == "layer" else None
+    w = _rand(N, K, device=dev, dtype=FP16, seed=3, std=0.1)
+    b = _rand(N, device=dev, dtype=FP16, seed=4) if has_bias else None
+    eps = torch.finfo(FP16).eps if norm == "rms" else 1e-5
+    y = torch.empty(M, N, dtype=FP16, device=dev)
+    norm_linear.launch_norm_linear_tma(x, norm == "rms", eps, gw, gb, w, b, y, activation,
+                                       config=dict(bm=16, bn=32, bk=64, stages=1, warps=4))
+    ref = reference.layer_norm_linear(*(None if t is None else t.double() for t in (x, gw, gb, w, b)), eps=eps,
+                                      norm=norm, activation=activation)
+    assert_close(y, ref, REL_L2_BOUND[FP16], f"{norm} epilogue form")

@@ -8,13 +8,19 @@ import pytest
 from tilefuse.harness.compiler import compile_sm90
 
 
-@pytest.mark.parametrize("activation,gated", [("gelu", False), ("swiglu", True)])
-def test_tma_gemm_compiles_to_wgmma(activation, gated):
-    consts = dict(HAS_BIAS=True, ACTIVATION=activation, GATED=gated, NUM_SMS=132, BLOCK_M=128, BLOCK_N=128,
-                  BLOCK_K=64, GROUP_M=8, EPILOGUE_SUBTILE=True, WARP_SPECIALIZE=False)
-    facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", "*bf16", consts, num_warps=8, num_stages=4)
+@pytest.mark.parametrize("activation,gated,norm", [("gelu", False, 0), ("swiglu", True, 0), ("gelu", False, 1)])
+def test_tma_gemm_compiles_to_wgmma(activation, gated, norm):
+    """norm=1: layer_norm_linear's form, whose row sums in the main loop and statistics in the epilogue must
+    not cost spills on the largest tile (128x256, 8 warps) the tuner offers it."""
+    consts = dict(HAS_BIAS=True, ACTIVATION=activation, GATED=gated, NORM=norm, NUM_SMS=132, BLOCK_M=128,
+                  BLOCK_N=256 if norm else 128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SUBTILE=True, WARP_SPECIALIZE=False)
+    sig = {"*": "*bf16", "b_ptr": "*fp32", "bu_ptr": "*fp32", "eps": "fp32"} if norm else "*bf16"
+    facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", sig, consts, num_warps=8,
+                         num_stages=3 if norm else 4)
     assert facts["wgmma"], facts
     assert facts["shared"] <= 227 * 1024, facts  # the H200's shared memory per block
+    if norm:
+        assert facts["spill_store_bytes"] == 0, facts
 
 
 @pytest.mark.parametrize("split_k,gated", [(1, False), (4, True)])
@@ -200,3 +206,15 @@ def test_register_capped_attention_tiles_fit_more_ctas_per_sm(block_d, causal):
         kept = att._prune(att.GPU_CONFIGS, {"q_ptr": torch.empty(1, dtype=elem_dtype)}, BLOCK_D=d,
                           USE_DESC=True, HAS_MASK=False, INPUT_PRECISION="tf32")
         assert all(c.maxnreg is None for c in kept)
+
+
+@pytest.mark.parametrize("gamma,beta", [(True, True), (False, False)])
+def test_weight_fold_compiles_for_sm90(gamma, beta):
+    """layer_norm_linear's per-call weight fold (W * gamma, column sums, folded bias)."""
+    from tilefuse.kernels import norm_linear as nl
+    sig = {"*": "*bf16", "colsum_ptr": "*fp32", "shift_ptr": "*fp32"}
+    consts = dict(HAS_GAMMA=gamma, HAS_BETA=beta, HAS_BIAS=True, NEED_COLSUM=True, BLOCK_N=nl.FOLD_BLOCK_N,
+                  BLOCK_K=nl.FOLD_BLOCK_K)
+    facts = compile_sm90("tilefuse.kernels.norm_linear", "weight_fold_kernel", sig, consts,
+                         num_warps=nl.FOLD_WARPS, aligned=("w_ptr", "wf_ptr", "K", "stride_wn", "stride_wfn"))
+    assert facts["regs"] is not None and facts["spill_store_bytes"] == 0, facts

@@ -9,6 +9,12 @@ feed wgmma; the K loop is software-pipelined NUM_STAGES deep. The epilogue adds 
 activation on the fp32 accumulator and stores through TMA, optionally in two N-halves (EPILOGUE_SUBTILE)
 to halve the registers and shared memory it needs. TMA zero-fills out-of-bounds loads and clips stores,
 so the edges need no masks.
+NORM (layer_norm_linear): ``act(norm(x) @ W^T + b)`` with the normalization moved past the GEMM. With
+W' = W * gamma (gamma along K), s = W' summed over K and c = b + W @ beta (kernels/norm_linear.py makes
+them), norm(x) @ W^T + b = rstd * (x @ W'^T - mean * s) + c: the main loop is this TMA GEMM on raw x,
+which also sums each row of the x tiles it already holds (the statistics: no pre-pass reads x again),
+and the epilogue applies mean and rstd. No normalized x is written, and none is fed to wgmma from
+registers, so its operands take the linear kernel's TMA -> shared memory path.
 Limits: x and y row-contiguous, w [N, K] K-contiguous, row strides multiples of 16 bytes, base pointers
 16-byte aligned; otherwise tilefuse.linear uses the portable kernel (gemm_epilogue.py).
 """
@@ -27,13 +33,17 @@ from tilefuse.kernels.gemm_epilogue import prune_gated_configs
 @triton.jit
 def linear_tma_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
-    wu_ptr, bu_ptr,  # gated only: the "up" weight [N, K] and bias (any valid pointer otherwise)
+    # Gated: the "up" weight [N, K] and its bias. NORM: bu_ptr holds the folded weight's column sums
+    # (fp32 [N], LayerNorm only). Otherwise any valid pointer.
+    wu_ptr, bu_ptr,
     M, N, K,
     M_BUCKET,  # autotune key only
     stride_xm, stride_wn, stride_wun, stride_ym,
+    eps,  # NORM only
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,  # 0: none; 1: LayerNorm (mean and rstd); 2: RMSNorm (rstd)
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -45,8 +55,9 @@ def linear_tma_kernel(
                                        block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                        block_shape=[BLOCK_N, BLOCK_K])
-    wu_desc = tl.make_tensor_descriptor(wu_ptr, shape=[N, K], strides=[stride_wun, 1],
-                                        block_shape=[BLOCK_N, BLOCK_K])
+    if GATED:
+        wu_desc = tl.make_tensor_descriptor(wu_ptr, shape=[N, K], strides=[stride_wun, 1],
+                                            block_shape=[BLOCK_N, BLOCK_K])
     if EPILOGUE_SUBTILE:
         y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
                                            block_shape=[BLOCK_M, BLOCK_N // 2])
@@ -66,6 +77,15 @@ def linear_tma_kernel(
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead (removed) unless GATED
+        # NORM: row sums of (x - shift) and its square, from the x tiles already on chip. The shift (each
+        # row's first element, within a few standard deviations of its mean) keeps the variance
+        # sum(d^2)/K - (sum(d)/K)^2 from cancelling when a row's mean dwarfs its spread.
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        row_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        row_shift = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if NORM == 1:
+            row_shift = tl.load(x_ptr + offs_m.to(tl.int64) * stride_xm, mask=offs_m < M, other=0.0).to(tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             x_tile = x_desc.load([off_m, off_k])
@@ -73,6 +93,22 @@ def linear_tma_kernel(
             acc = tl.dot(x_tile, w_tile.T, acc)
             if GATED:
                 acc_up = tl.dot(x_tile, wu_desc.load([off_n, off_k]).T, acc_up)
+            if NORM == 1:
+                in_k = (off_k + tl.arange(0, BLOCK_K)) < K  # TMA zero-fills the tail; zero - shift is not zero
+                d = tl.where(in_k[None, :], x_tile.to(tl.float32) - row_shift[:, None], 0.0)
+                row_sum += tl.sum(d, axis=1)
+                row_sq += tl.sum(d * d, axis=1)
+            if NORM == 2:
+                xf = x_tile.to(tl.float32)
+                row_sq += tl.sum(xf * xf, axis=1)
+        mean = row_shift
+        rstd = row_sq
+        if NORM == 1:
+            mean_d = row_sum / K
+            mean = row_shift + mean_d
+            rstd = 1.0 / tl.sqrt(tl.maximum(row_sq / K - mean_d * mean_d, 0.0) + eps)
+        if NORM == 2:
+            rstd = 1.0 / tl.sqrt(row_sq / K + eps)
 
         # Epilogue on the fp32 accumulator; the pre-activation never leaves the SM. With subtiling the
         # bias and activation run on one N-half at a time, which halves the live temporaries of the
@@ -80,21 +116,30 @@ def linear_tma_kernel(
         if EPILOGUE_SUBTILE:
             acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             up_lo, up_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            out_lo = _epilogue(acc_lo, up_lo, b_ptr, bu_ptr, off_n, N, HAS_BIAS, ACTIVATION, GATED, BLOCK_N // 2)
+            out_lo = _epilogue(acc_lo, up_lo, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS, ACTIVATION, GATED,
+                               NORM, BLOCK_N // 2)
             y_desc.store([off_m, off_n], out_lo.to(out_dtype))
-            out_hi = _epilogue(acc_hi, up_hi, b_ptr, bu_ptr, off_n + BLOCK_N // 2, N, HAS_BIAS, ACTIVATION, GATED,
-                               BLOCK_N // 2)
+            out_hi = _epilogue(acc_hi, up_hi, b_ptr, bu_ptr, mean, rstd, off_n + BLOCK_N // 2, N, HAS_BIAS,
+                               ACTIVATION, GATED, NORM, BLOCK_N // 2)
             y_desc.store([off_m, off_n + BLOCK_N // 2], out_hi.to(out_dtype))
         else:
-            out = _epilogue(acc, acc_up, b_ptr, bu_ptr, off_n, N, HAS_BIAS, ACTIVATION, GATED, BLOCK_N)
+            out = _epilogue(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS, ACTIVATION, GATED, NORM,
+                            BLOCK_N)
             y_desc.store([off_m, off_n], out.to(out_dtype))
 
 
 @triton.jit
-def _epilogue(acc, acc_up, b_ptr, bu_ptr, off_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-              GATED: tl.constexpr, WIDTH: tl.constexpr):
-    """Bias + activation (or bias + GLU gate) on a [BLOCK_M, WIDTH] slice of the accumulator(s)."""
+def _epilogue(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS: tl.constexpr,
+              ACTIVATION: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, WIDTH: tl.constexpr):
+    """(Row statistics,) bias + activation (or bias + GLU gate) on a [BLOCK_M, WIDTH] slice of the
+    accumulator(s). ``mean``/``rstd``: the rows' statistics under NORM (unused otherwise)."""
     offs_n = off_n + tl.arange(0, WIDTH)
+    if NORM != 0:
+        if NORM == 1:
+            # rstd * (x @ W'^T - mean * colsum(W')): the centring a prologue would have done.
+            colsum = tl.load(bu_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc = acc - mean[:, None] * colsum[None, :]
+        acc = acc * rstd[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -128,18 +173,26 @@ linear_tma_autotuned = tuning.autotune(
 )(linear_tma_kernel)
 
 
-def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, b_up=None):
+def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, b_up=None,
+                      norm: tuple | None = None):
     """Persistent TMA launch. ``config`` pins one config (benchmarks of variants); None autotunes.
-    ``w_up``/``b_up``: the up-projection of a gated activation."""
+    ``w_up``/``b_up``: the up-projection of a gated activation. ``norm``: (1 for LayerNorm or 2 for
+    RMSNorm, eps, colsum fp32 [N] or None for RMSNorm) for layer_norm_linear, where ``w`` is the
+    gamma-folded weight and ``b`` the folded bias (kernels/norm_linear.py)."""
     ensure_descriptor_allocator()
     M, K = x2d.shape
     N = w.shape[0]
     num_sms = runtime.device_facts(x2d.device)[1]
     gated = activation in GATED_ACTIVATIONS
-    w_up = w_up if gated else w
+    norm_kind, eps = 0, 0.0
+    if norm is not None:
+        norm_kind, eps, b_up = norm
+    if not gated:
+        w_up = w
     args = (x2d, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y,
-            M, N, K, tuning.m_bucket(M), x2d.stride(0), w.stride(0), w_up.stride(0), y.stride(0))
-    common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated, NUM_SMS=num_sms)
+            M, N, K, tuning.m_bucket(M), x2d.stride(0), w.stride(0), w_up.stride(0), y.stride(0), eps)
+    common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated, NORM=norm_kind,
+                  NUM_SMS=num_sms)
 
     def grid(meta):
         return (min(num_sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)

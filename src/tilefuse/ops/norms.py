@@ -20,7 +20,7 @@ from tilefuse.ops._checks import (check_no_grad_needed, grad_needed, check_same_
 from tilefuse.reference import norms as reference
 
 # The config of the most recent launch, for the report. A diagnostic only.
-last_config = {"config": None, "path": None}
+last_config = {"config": None, "path": None, "kernel": None}
 
 LAYER_NORM_EPS = 1e-5
 
@@ -136,7 +136,7 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
     if eps is None:
         eps = torch.finfo(x.dtype).eps if is_rms else LAYER_NORM_EPS
     path = runtime.execution_path(x)
-    last_config.update(config=None, path=path)
+    last_config.update(config=None, path=path, kernel=None)
     if path == runtime.REFERENCE:
         if is_rms:
             return reference.rms_norm(x, shape, weight, eps, residual=residual)
@@ -208,8 +208,11 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
                       norm: str = "layer", activation: str | None = None) -> torch.Tensor:
     """``act(F.linear(norm(x), weight, bias))`` where the normalization is the GEMM's prologue.
 
-    A pre-pass kernel writes only mean/rstd per row (8 bytes); the GEMM normalizes each x tile in
-    registers, so the normalized activations never reach HBM. ``norm`` is "layer" or "rms" (then
+    The normalized activations never reach HBM. On Hopper with 16-bit, TMA-aligned operands, gamma is
+    folded into a copy of W once per call (W read and W' written: a temporary the size of ``weight``) and
+    the TMA GEMM sums each row from the x tiles it streams, then applies
+    ``rstd * (x @ W'^T - mean * colsum(W')) + (b + W @ beta)`` in its epilogue. Elsewhere a pre-pass
+    writes mean/rstd per row (8 bytes) and the GEMM normalizes each x tile in registers (its prologue). ``norm`` is "layer" or "rms" (then
     ``norm_bias`` is ignored); ``eps`` None is 1e-5 for layer and ``torch.finfo(x.dtype).eps`` for
     rms. Forward only. x: ``[..., K]``; weight: ``[N, K]``; returns ``[..., N]``.
     """
@@ -221,7 +224,7 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
     if eps is None:
         eps = torch.finfo(x.dtype).eps if is_rms else LAYER_NORM_EPS
     path = runtime.execution_path(x)
-    last_config.update(config=None, path=path)
+    last_config.update(config=None, path=path, kernel=None)
     if path == runtime.REFERENCE:
         return reference.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps=eps, norm=norm,
                                            activation=activation)
@@ -234,10 +237,18 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
     if M == 0 or N == 0:
         return y
     x2d = _rows(x, K) if K > 0 else x.reshape(M, 0)
+    y2d = y.view(M, N)
+    interpret = path == runtime.INTERPRETER
+    if path == runtime.COMPILED and K > 0 and x.dtype != torch.float32:
+        from tilefuse.kernels import gemm_tma
+        if gemm_tma.tma_supported(x2d, weight, y2d):
+            from tilefuse.kernels.norm_linear import launch_norm_linear_tma
+            cfg = launch_norm_linear_tma(x2d, is_rms, eps, norm_weight, norm_bias, weight, bias, y2d, activation)
+            last_config.update(config=cfg, kernel="tma, norm in epilogue")
+            return y
     # The pre-pass writes every row's statistics; zeros only for K == 0, where it does not run.
     stats = (torch.empty if K > 0 else torch.zeros)(2, M, dtype=torch.float32, device=x.device)
     mean, rstd = stats[0], stats[1]
-    interpret = path == runtime.INTERPRETER
     if K > 0:
         launch_norm_fwd(x2d, None, None, None, None, None, mean, rstd, eps, is_rms, store_y=False,
                         interpret=interpret)
@@ -245,7 +256,7 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
         precision = "tf32" if (x.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
     else:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
-    cfg = launch_norm_linear(x2d, mean, rstd, norm_weight, norm_bias, weight, bias, y.view(M, N),
+    cfg = launch_norm_linear(x2d, mean, rstd, norm_weight, norm_bias, weight, bias, y2d,
                              is_rms, activation, precision, interpret)
-    last_config["config"] = cfg
+    last_config.update(config=cfg, kernel="norm in prologue")
     return y
