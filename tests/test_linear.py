@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import tilefuse
 from helpers import ON_GPU, assert_close
-from tilefuse import reference
+from tilefuse.opspec import REL_L2_BOUND
+from tilefuse import reference, tuning
 
 ACTS = [None, "gelu", "gelu_tanh", "relu", "silu"]
 
@@ -195,3 +196,37 @@ def test_random_shapes_property(m, k, n, activation, bias, transpose_x, dtype):
     ref = reference.linear(x.double(), w.double(), None if b is None else b.double(), activation)
     bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert_close(out, ref, bound, f"{m}x{k}x{n} {activation} {dtype}")
+
+
+def _tma_cases():
+    """(config index, activation) for every config of the Hopper GEMM's space that the launch keeps for
+    that activation (gated epilogues prune the tiles whose two accumulators would spill)."""
+    from tilefuse.kernels import gemm_epilogue, gemm_tma
+
+    space = [gemm_tma._tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS]
+    return [(i, act) for act in ("gelu", "swiglu") for i, c in enumerate(space)
+            if c in gemm_epilogue.prune_gated_configs(space, {}, GATED=act == "swiglu")]
+
+
+@pytest.mark.parametrize("index,activation", _tma_cases())
+def test_every_tma_config_matches_float64(tma_launch_device, index, activation):
+    """Each config in the Hopper GEMM's space, pinned, on tails in M, N and K: the pinned GPU tests only
+    ever run the first, and the tuner may pick any."""
+    from tilefuse.kernels import gemm_tma
+
+    config = tuning.TMA_GEMM_CONFIGS[index]
+    gated = activation == "swiglu"
+    dev = tma_launch_device
+    M, K, N = 130, 96, 264  # 16-byte rows; tails against every tile size in the space
+    x = _rand(M, K, device=dev, dtype=torch.float16)
+    w = _rand(N, K, device=dev, dtype=torch.float16, seed=1) * 0.1
+    wu = _rand(N, K, device=dev, dtype=torch.float16, seed=2) * 0.1 if gated else None
+    b = _rand(N, device=dev, dtype=torch.float16, seed=3)
+    bu = _rand(N, device=dev, dtype=torch.float16, seed=4) if gated else None
+    y = torch.empty(M, N, dtype=torch.float16, device=dev)
+    gemm_tma.launch_linear_tma(x, w, b, y, activation, config=config, w_up=wu, b_up=bu)
+    if gated:
+        ref = reference.gated_linear(x.double(), w.double(), wu.double(), b.double(), bu.double(), activation)
+    else:
+        ref = reference.linear(x.double(), w.double(), b.double(), activation)
+    assert_close(y, ref, REL_L2_BOUND[torch.float16], f"{config} {activation}")
