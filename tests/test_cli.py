@@ -58,3 +58,21 @@ def test_every_anchor_can_be_listed_without_running_it():
     plan = {s.name: s.bench_cases for s in specs}
     check_anchor_filter(["liger", "torch.compile", "torch.compile max-autotune", "cublaslt_epilogue",
                          "sdpa (flash|cudnn|efficient)", "flex_attention"], specs, plan)
+
+
+def test_report_retune_ignores_stored_configs(monkeypatch, tmp_path):
+    """--retune: the report tunes every key against the current space instead of taking the shipped table's
+    (or the user cache's) choice."""
+    from tilefuse import cli, tuning
+    from tilefuse.harness import report
+
+    seen = {}
+
+    def fake_run_report(**kwargs):
+        seen["stored"] = tuning._use_stored_configs
+        return {"ops": {}}
+
+    monkeypatch.setattr(tuning, "_use_stored_configs", True)
+    monkeypatch.setattr(report, "run_report", fake_run_report)
+    assert cli.main(["report", "--ops", "linear", "--retune", "--out", str(tmp_path)]) == 0
+    assert seen["stored"] is False

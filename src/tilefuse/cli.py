@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="only bench rows of these dtypes (accuracy cases all run)")
     r.add_argument("--cases", nargs="+", metavar="REGEX",
                    help="only bench rows whose label contains a match of one of these regexes")
+    r.add_argument("--retune", action="store_true",
+                   help="ignore configs in the user cache and the shipped table: tune every key in this run, "
+                   "so each row's config is measured against the whole current space")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     t = sub.add_parser("tune", help="autotune the kernels behind ops on this GPU and store the winners")
     t.add_argument("--ops", nargs="+", metavar="NAME", help="registry op names (default: all)")
@@ -90,6 +93,9 @@ def cmd_report(args) -> int:
                   file=sys.stderr)
             return 2
 
+    if args.retune:
+        from tilefuse import tuning
+        tuning.use_stored_configs(False)
     try:
         result = run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
                             anchor_filter=args.anchors, show_progress=not args.no_progress,
