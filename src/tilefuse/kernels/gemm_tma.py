@@ -77,15 +77,19 @@ def linear_tma_kernel(
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead (removed) unless GATED
-        # NORM: row sums of (x - shift) and its square, from the x tiles already on chip. The shift (each
-        # row's first element, within a few standard deviations of its mean) keeps the variance
-        # sum(d^2)/K - (sum(d)/K)^2 from cancelling when a row's mean dwarfs its spread.
+        # NORM: row sums of (x - shift) and its square, from the x tiles already on chip. The shift keeps
+        # the variance sum(d^2)/K - (sum(d)/K)^2 from cancelling when a row's mean dwarfs its spread: it
+        # is the mean of the row's first 16 elements, which an outlier channel among them (LLM
+        # activations have some) moves 16x less than it would move a single element.
         offs_m = off_m + tl.arange(0, BLOCK_M)
         row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         row_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         row_shift = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if NORM == 1:
-            row_shift = tl.load(x_ptr + offs_m.to(tl.int64) * stride_xm, mask=offs_m < M, other=0.0).to(tl.float32)
+            head = tl.arange(0, 16)
+            x_head = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + head[None, :],
+                             mask=(offs_m < M)[:, None] & (head < K)[None, :], other=0.0)
+            row_shift = tl.sum(x_head.to(tl.float32), axis=1) / tl.minimum(K, 16)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             x_tile = x_desc.load([off_m, off_k])
