@@ -24,8 +24,8 @@ from tilefuse.reference import norms as reference
 from rows import collect
 
 SHAPES = [(2048, 131072), (64, 1048576)]  # the row-wise issue's long shape; its one-million row (x64)
-VARIANTS = [dict(splits=s, num_warps=w, programs_per_sm=p)
-            for s, w, p in itertools.product((4, 8, 16, 64), (4, 8, 16), (1, 2))]
+VARIANTS = [dict(splits=s, num_warps=w, programs_per_sm=p, prefetch=f)
+            for s, w, p, f in itertools.product((8, 16, 64), (8, 16), (1, 2), (False, True))]
 
 
 def copy_ceiling_tbps() -> float:
@@ -63,16 +63,17 @@ def rows(copy_tbps: float):
         mean = torch.empty(M, device="cuda")
         rstd = torch.empty(M, device="cuda")
         for v in VARIANTS:
-            if (N + v["splits"] - 1) // v["splits"] > 64 * 32 * v["num_warps"]:
-                continue  # over 64 elements a thread: the chunk would not fit the registers
+            if (N + v["splits"] - 1) // v["splits"] * (2 if v["prefetch"] else 1) > 64 * 32 * v["num_warps"]:
+                continue  # over 64 elements a thread (two chunks with prefetch): past the registers
 
             def split_row(v=v):
                 launch_norm_fwd_split(x, None, w, b, y, None, mean, rstd, eps, is_rms, **v)
                 return y
 
             try:
-                yield measure(f"split {v['splits']} w{v['num_warps']} {v['programs_per_sm']}/SM", split_row,
-                              split_row)
+                name = (f"split {v['splits']} w{v['num_warps']} {v['programs_per_sm']}/SM"
+                        f"{' prefetch' if v['prefetch'] else ''}")
+                yield measure(name, split_row, split_row)
             except Exception as exc:  # noqa: BLE001 - a variant that cannot launch is a result too
                 yield {**base, "variant": str(v), "failed": f"{type(exc).__name__}: {str(exc)[:200]}"}
 

@@ -220,15 +220,15 @@ def test_weight_fold_compiles_for_sm90(gamma, beta):
     assert facts["regs"] is not None and facts["spill_store_bytes"] == 0, facts
 
 
-@pytest.mark.parametrize("is_rms,splits,block_n", [(False, 8, 16384), (True, 16, 8192)])
-def test_split_row_norm_waits_with_ordered_atomics(is_rms, splits, block_n):
+@pytest.mark.parametrize("is_rms,splits,block_n,prefetch", [(False, 8, 16384, False), (True, 16, 8192, True)])
+def test_split_row_norm_waits_with_ordered_atomics(is_rms, splits, block_n, prefetch):
     """The split-row norm's handshake survives compilation: an acq_rel arrival and an acquire poll in a
     loop (an atomic add of 0 as the poll was compiled away, loop and all), and the row chunk in registers
     without spills."""
     sig = {"*": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
            "eps": "fp32"}
     consts = dict(IS_RMS=is_rms, HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=not is_rms, SPLITS=splits,
-                  BLOCK_N=block_n, MAX_POLLS=1 << 20)
+                  BLOCK_N=block_n, MAX_POLLS=1 << 20, PREFETCH=prefetch)
     facts = compile_sm90("tilefuse.kernels.norm_split_row", "norm_fwd_split_kernel", sig, consts, num_warps=8,
                          num_stages=1, aligned=("x_ptr", "res_ptr", "w_ptr", "b_ptr", "y_ptr", "h_ptr", "N", "CHUNK",
                                                 "stride_xm", "stride_rm", "stride_ym", "stride_hm"))

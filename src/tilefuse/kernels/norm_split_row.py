@@ -36,6 +36,7 @@ def norm_fwd_split_kernel(
     eps,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MAX_POLLS: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the program's next row before this row's wait (two chunks in registers)
 ):
     pid = tl.program_id(0)
     split = pid % SPLITS
@@ -46,11 +47,29 @@ def norm_fwd_split_kernel(
     count = tl.sum(mask.to(tl.float32), axis=0)
     splits = tl.arange(0, SPLITS)
     split_counts = tl.minimum(tl.maximum(N - splits * CHUNK, 0), CHUNK).to(tl.float32)
-    for row in range(pid // SPLITS, M, groups):
-        row64 = (row + tl.arange(0, 1)).to(tl.int64)  # [1]: M * stride can pass 2**31
-        h = tl.load(x_ptr + row64 * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    first = pid // SPLITS
+    if PREFETCH:
+        first64 = (first + tl.arange(0, 1)).to(tl.int64)
+        x_next = tl.load(x_ptr + first64 * stride_xm + offs, mask=mask & (first < M), other=0.0)
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row64 * stride_rm + offs, mask=mask, other=0.0)
+            r_next = tl.load(res_ptr + first64 * stride_rm + offs, mask=mask & (first < M), other=0.0)
+    for row in range(first, M, groups):
+        row64 = (row + tl.arange(0, 1)).to(tl.int64)  # [1]: M * stride can pass 2**31
+        if PREFETCH:
+            # The next row's loads are issued now and land while this row waits for its partners.
+            x_row = x_next
+            following = row + groups
+            following64 = (following + tl.arange(0, 1)).to(tl.int64)
+            x_next = tl.load(x_ptr + following64 * stride_xm + offs, mask=mask & (following < M), other=0.0)
+            if HAS_RESIDUAL:
+                r = r_next
+                r_next = tl.load(res_ptr + following64 * stride_rm + offs, mask=mask & (following < M), other=0.0)
+        else:
+            x_row = tl.load(x_ptr + row64 * stride_xm + offs, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + row64 * stride_rm + offs, mask=mask, other=0.0)
+        h = x_row.to(tl.float32)
+        if HAS_RESIDUAL:
             h_low = (h + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row64 * stride_hm + offs, h_low, mask=mask)
             h = h_low.to(tl.float32)  # statistics of the stored (rounded) h, as the unfused pair
@@ -100,9 +119,10 @@ def norm_fwd_split_kernel(
 
 
 def launch_norm_fwd_split(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, is_rms, splits: int,
-                          num_warps: int = 8, programs_per_sm: int = 1):
+                          num_warps: int = 8, programs_per_sm: int = 1, prefetch: bool = False):
     """Forward of [M, N] rows (unit column stride) with each row split over ``splits`` programs (on the
-    interpreter ``splits`` must be 1). ``programs_per_sm`` sizes the cooperative grid. Returns the grid."""
+    interpreter ``splits`` must be 1). ``programs_per_sm`` sizes the cooperative grid; ``prefetch`` loads
+    each program's next row before the current row's wait. Returns the grid."""
     M, N = x2d.shape
     interpret = runtime.execution_path(x2d) == runtime.INTERPRETER
     if interpret and splits != 1:
@@ -122,5 +142,6 @@ def launch_norm_fwd_split(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, i
         M, N, chunk, x2d.stride(0), res2d.stride(0) if res2d is not None else 0, y2d.stride(0),
         h2d.stride(0) if h2d is not None else 0, eps,
         IS_RMS=is_rms, HAS_RESIDUAL=res2d is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        SPLITS=splits, BLOCK_N=next_pow2(chunk), MAX_POLLS=MAX_POLLS, num_warps=num_warps, **extra)
+        SPLITS=splits, BLOCK_N=next_pow2(chunk), MAX_POLLS=MAX_POLLS, PREFETCH=prefetch, num_warps=num_warps,
+        **extra)
     return (groups * splits,)
