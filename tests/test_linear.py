@@ -230,3 +230,20 @@ def test_every_tma_config_matches_float64(tma_launch_device, index, activation):
     else:
         ref = reference.linear(x.double(), w.double(), b.double(), activation)
     assert_close(y, ref, REL_L2_BOUND[torch.float16], f"{config} {activation}")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_strided_bias_views_are_read_as_their_elements(device, activation):
+    """A bias that is a strided view (every other element of a buffer) means its elements, not the
+    buffer's first N."""
+    x = _rand(7, 40, device=device)
+    w = _rand(6, 40, device=device, seed=1)
+    b = _rand(12, device=device, seed=2)[::2]
+    if activation == "swiglu":
+        bu = _rand(12, device=device, seed=3)[1::2]
+        out = tilefuse.linear(x, (w, 2 * w), (b, bu), activation)
+        ref = reference.gated_linear(x.double(), w.double(), 2 * w.double(), b.double(), bu.double(), activation)
+    else:
+        out = tilefuse.linear(x, w, b, activation)
+        ref = reference.linear(x.double(), w.double(), b.double(), activation)
+    assert_close(out, ref, 1e-5, "strided bias")

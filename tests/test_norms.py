@@ -294,3 +294,29 @@ def test_split_row_forward_matches_float64(device, is_rms, residual, prefetch):
             assert_close(h, ref[1], REL_L2_BOUND[BF16], f"split {splits} h")
         else:
             assert_close(y, ref, REL_L2_BOUND[BF16], f"split {splits}")
+
+
+def test_strided_parameter_views_are_read_as_their_elements(device):
+    """Norm weights and biases given as strided views (every other element of a buffer), forward and
+    backward (the gradient reaches the viewed elements), and the same for layer_norm_linear."""
+    x = _rand(7, 40, device=device, mean=1.0)
+    w_buf = _rand(80, device=device, seed=1, mean=1.0).requires_grad_()
+    b_buf = _rand(80, device=device, seed=2).requires_grad_()
+    w, b = w_buf[::2], b_buf[1::2]
+    y = tilefuse.layer_norm(x, (40,), w, b)
+    ref = F.layer_norm(x.double(), (40,), w.double(), b.double())
+    assert_close(y, ref, REL_L2_BOUND[FP32], "layer_norm strided weight/bias")
+    y.sum().backward()
+    ref_w = w.detach().double().requires_grad_()
+    F.layer_norm(x.double(), (40,), ref_w, b.detach().double()).sum().backward()
+    assert_close(w_buf.grad[::2], ref_w.grad, REL_L2_BOUND[FP32], "dweight reaches the view")
+    assert not w_buf.grad[1::2].any()
+    with torch.no_grad():
+        assert_close(tilefuse.rms_norm(x, (40,), w, 1e-6), F.rms_norm(x.double(), (40,), w.double(), 1e-6),
+                     REL_L2_BOUND[FP32], "rms_norm strided weight")
+        lin_w = _rand(6, 40, device=device, seed=3)
+        lin_b = _rand(12, device=device, seed=4)[::2]
+        out = tilefuse.layer_norm_linear(x, w, b, lin_w, lin_b)
+        ref = reference.layer_norm_linear(x.double(), w.double(), b.double(), lin_w.double(), lin_b.double(),
+                                          eps=1e-5)
+        assert_close(out, ref, REL_L2_BOUND[FP32], "layer_norm_linear strided vectors")

@@ -28,6 +28,13 @@ def check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tens
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must be on one device")
 
 
+def dense(t):
+    """``t`` itself when its elements are contiguous, else a contiguous copy (None stays None). Kernels
+    index parameter vectors (biases, norm weights) as dense arrays; they are small, so a strided view
+    of one is copied rather than given strides of its own."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def grad_needed(*tensors) -> bool:
     """Whether autograd must record this call. When it need not, ops skip torch.autograd.Function:
     its bookkeeping costs tens of microseconds of host time per call."""

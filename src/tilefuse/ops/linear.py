@@ -8,7 +8,7 @@ import torch
 from tilefuse import reference, runtime
 from tilefuse.constants import ACTIVATIONS, GATED_ACTIVATIONS
 from tilefuse.ops._checks import (check_no_grad_needed, check_same_device, check_same_dtype,
-                                  check_tensor)
+                                  check_tensor, dense)
 
 # The config of the most recent launch, for the report ("which tile ran"). Not thread-safe by design:
 # it is a diagnostic, never an input to computation.
@@ -141,6 +141,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_up = b_up = None
         check_linear_args(x, weight, bias, activation)
         check_no_grad_needed("linear", x, weight, bias)
+    bias, b_up = dense(bias), dense(b_up)
     path = runtime.execution_path(x)
     last_config.update(config=None, path=path, kernel=None)
     if path == runtime.REFERENCE:

@@ -15,7 +15,7 @@ import torch
 from tilefuse import runtime
 from tilefuse.constants import ACTIVATIONS
 from tilefuse.ops.linear import check_linear_args
-from tilefuse.ops._checks import (check_no_grad_needed, grad_needed, check_same_device, check_same_dtype,
+from tilefuse.ops._checks import (check_no_grad_needed, dense, grad_needed, check_same_device, check_same_dtype,
                                   check_tensor)
 from tilefuse.reference import norms as reference
 
@@ -133,6 +133,7 @@ class _NormFunction(torch.autograd.Function):
 
 def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
     shape = _check_norm_args(x, normalized_shape, weight, bias, eps, residual)
+    weight, bias = dense(weight), dense(bias)
     if eps is None:
         eps = torch.finfo(x.dtype).eps if is_rms else LAYER_NORM_EPS
     path = runtime.execution_path(x)
@@ -217,6 +218,7 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
     rms. Forward only. x: ``[..., K]``; weight: ``[N, K]``; returns ``[..., N]``.
     """
     _check_norm_linear_args(x, norm_weight, norm_bias, weight, bias, eps, norm, activation)
+    norm_weight, norm_bias, bias = dense(norm_weight), dense(norm_bias), dense(bias)
     is_rms = norm == "rms"
     if is_rms:
         norm_bias = None
