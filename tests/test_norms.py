@@ -233,13 +233,14 @@ def test_norm_linear_epilogue_form_matches_float64(tma_launch_device, norm, affi
     """The Hopper form (gamma folded into W, row statistics summed by the GEMM from its x tiles and applied
     after it) on tails in M, N and K (K = 96 is one and a half 64-wide steps: the zero-filled half must not
     count), rows whose mean is 8x their spread and rows with one huge element: centring after the GEMM must not
-    cancel precision away."""
+    cancel precision away. A NaN in x gives NaN in its row and nowhere else."""
     from tilefuse.kernels import norm_linear
 
     dev = tma_launch_device
     M, K, N = 37, 96, 40  # 16-byte rows for TMA; none a multiple of its tile
     x = _rand(M, K, device=dev, dtype=FP16, mean=4.0, std=0.5)
     x[3, 0], x[5, 70] = 900.0, -700.0  # outlier channels, as LLM activations have: first element and mid-row
+    x[6, 20] = float("nan")  # its row only comes out NaN, as torch's
     gw = _rand(K, device=dev, dtype=FP16, seed=1, mean=1.0) if affine else None
     gb = _rand(K, device=dev, dtype=FP16, seed=2) if affine and norm == "layer" else None
     w = _rand(N, K, device=dev, dtype=FP16, seed=3, std=0.1)
