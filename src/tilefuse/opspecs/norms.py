@@ -357,8 +357,9 @@ def _norm_linear_config():
 
 LAYER_NORM_LINEAR = OpSpec(
     name="layer_norm_linear",
-    summary=("act(norm(x) @ W^T + b): 8 B/row of statistics, then on Hopper gamma folded into W and the "
-             "normalization applied in the TMA GEMM's epilogue (elsewhere: the GEMM's prologue)"),
+    summary=("act(norm(x) @ W^T + b): on Hopper gamma folded into W, the row statistics summed by the TMA "
+             "GEMM from its x tiles and applied in its epilogue; elsewhere a statistics pre-pass (8 B/row) "
+             "and normalization in the GEMM's prologue"),
     fused=_norm_linear_fused,
     reference=_norm_linear_ref,
     make_inputs=_norm_linear_inputs,
