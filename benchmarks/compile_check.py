@@ -22,8 +22,9 @@ def tma_variants():
 
 def facts_rows():
     for activation, gated, c, ws, kept in tma_variants():
-        consts = dict(HAS_BIAS=True, ACTIVATION=activation, GATED=gated, NUM_SMS=132, BLOCK_M=c["bm"],
-                      BLOCK_N=c["bn"], BLOCK_K=c["bk"], GROUP_M=8, EPILOGUE_SUBTILE=True, WARP_SPECIALIZE=ws)
+        consts = dict(HAS_BIAS=True, ACTIVATION=activation, GATED=gated, NORM=0, NUM_SMS=132, BLOCK_M=c["bm"],
+                      BLOCK_N=c["bn"], BLOCK_K=c["bk"], GROUP_M=8, EPILOGUE_SUBTILE=c.get("subtile", True),
+                      WARP_SPECIALIZE=ws)
         facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", "*bf16", consts, c["warps"], c["stages"])
         yield {"kernel": "linear_tma", "activation": activation, **c, "ws": ws, "launcher_keeps": kept, **facts}
 
