@@ -535,3 +535,21 @@ def test_describe_tells_row_kernel_variants_apart():
     texts.add(tuning.describe(triton.Config(dict(BLOCK_M=128, BLOCK_N=64), num_warps=8, num_stages=2, maxnreg=128)))
     texts.add(tuning.describe(triton.Config(dict(BLOCK_M=128, BLOCK_N=64), num_warps=8, num_stages=2)))
     assert len(texts) == 6, texts
+
+
+def test_shipped_table_keys_name_each_kernels_live_key_arguments():
+    """A shipped entry is only found when its key text is the one the live tuner writes: the key argument
+    names, in order, then the dtypes. A kernel that gains a key argument (linear_tma's NORM) must carry
+    its table along, or every shipped shape silently autotunes again on first use."""
+    from tilefuse.kernels import attention, gemm_epilogue, gemm_tma, norm_linear, norms, softmax  # noqa: F401
+
+    path = tuning.shipped_table_path("nvidia-h200")
+    table = json.loads(path.read_text())
+    assert table["kernels"], path
+    for kernel, entries in table["kernels"].items():
+        assert kernel in tuning._TUNERS, f"{path} names {kernel!r}, which no tuner has"
+        names = list(tuning._TUNERS[kernel].keys)
+        for key in entries:
+            head, _, dtypes = key.partition(" dtypes=")
+            assert dtypes, key
+            assert [token.split("=", 1)[0] for token in head.split(" ")] == names, (kernel, key, names)

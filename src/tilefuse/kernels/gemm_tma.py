@@ -172,7 +172,9 @@ def tma_supported(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
 linear_tma_autotuned = tuning.autotune(
     name="linear_tma",
     configs=[_tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS],
-    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION"],
+    # NORM: layer_norm_linear's form reads x tiles into registers as well, which changes what fits; and
+    # RMSNorm without bias has linear's dtypes, so only NORM tells the two keys apart.
+    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "NORM"],
     prune_configs_by={"early_config_prune": prune_gated_configs},
 )(linear_tma_kernel)
 
