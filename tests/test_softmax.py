@@ -162,9 +162,41 @@ def test_fp16_output_dtype_and_grad_dtype(device):
     assert_close(dx, ref, 2e-3, "fp16 grad")
 
 
-def test_auto_is_online():
-    assert S.resolve_algorithm("auto") == "online"
-    assert S.resolve_algorithm("two_pass") == "two_pass"
+def test_auto_without_tuning_runs_online(device):
+    """Where nothing is tuned (the interpreter's plans), "auto" runs "online": two reads of a long row,
+    not three. On the GPU the choice is measured (the tests below force that path)."""
+    x = _rand(5, 300, device=device)
+    y = S.softmax(x, -1)
+    assert_close(y, torch.softmax(x.double(), -1), 1e-5, "auto")
+    if not ON_GPU:
+        assert S.last_config["config"].startswith("online loop"), S.last_config
+
+
+@pytest.mark.skipif(ON_GPU, reason="drives the GPU launch path through the interpreter")
+@pytest.mark.parametrize("algorithm", ["online", "two_pass"])
+@pytest.mark.parametrize("plan", ["long", "split"])
+def test_auto_runs_the_algorithm_its_tuner_measured(plan, algorithm, monkeypatch):
+    """"auto" on the GPU plans: the algorithm is a tuned parameter (long rows: with the tiles; few long
+    rows split into segments: of the stats kernel, which the write kernel then follows). The tuner is
+    pinned here to a config of each algorithm, and the softmax must come out right with either."""
+    monkeypatch.setattr(K, "_caps", lambda interpret, device: K.GPU_CAPS)
+    if plan == "long":
+        tuner = K.softmax_fwd_long_auto
+        chosen = next(c for c in tuner.configs if not c.kwargs["SINGLE_BLOCK"] and c.kwargs["BLOCK_N"] == 4096
+                      and c.kwargs["LOOP_STAGES"] == 3 and c.kwargs["ALGORITHM"] == algorithm)
+        x = _rand(3, 10000, device="cpu", seed=1, scale=4.0)
+    else:
+        tuner = K.softmax_split_stats_auto
+        chosen = next(c for c in tuner.configs if c.kwargs["ALGORITHM"] == algorithm)
+        x = _rand(2, 20000, device="cpu", seed=2, scale=4.0)
+    monkeypatch.setattr(tuner, "pinned", True)
+    monkeypatch.setattr(tuner, "configs", [chosen])
+    monkeypatch.setattr(tuner, "cache", {})
+    y = S.softmax(x, -1, algorithm="auto")
+    assert_close(y, torch.softmax(x.double(), -1), 1e-5, f"auto {plan} {algorithm}")
+    assert tuner.best_config is chosen
+    assert S.last_config["config"].startswith(f"auto {algorithm} {'loop' if plan == 'long' else 'split'}"), \
+        S.last_config
 
 
 def test_h200_plans():
@@ -251,7 +283,7 @@ def test_long_row_tuner_runs_either_choice(single, monkeypatch):
     monkeypatch.setattr(tuner, "configs", [chosen])
     monkeypatch.setattr(tuner, "cache", {})
     x = torch.randn(3, 10000, generator=torch.Generator().manual_seed(1)) * 4
-    y = S.softmax(x, dim=-1)
+    y = S.softmax(x, dim=-1, algorithm="online")  # "auto" takes the tuner that also picks the algorithm
     assert_close(y, torch.softmax(x.double(), -1), 1e-5, f"long row single={single}")
     assert tuner.best_config is chosen
 

@@ -383,7 +383,8 @@ class Plan:
     num_warps: int
     segments: int = 1
     seg_len: int = 0
-    tuned: bool = False  # GPU: triton.autotune picks among this config and its neighbours
+    tuned: bool = False  # GPU: triton.autotune picks among this config and its neighbours (split: the
+    #                      tiling is fixed and only algorithm="auto" is tuned)
 
     def describe(self) -> str:
         s = f"{self.mode} {self.block_m}x{self.block_n} w{self.num_warps}"
@@ -414,7 +415,8 @@ def plan(rows: int, r_inner: int, n: int, rows_adjacent: bool, elem_size: int, c
         seg_len = cdiv(cdiv(n, segs), bn) * bn  # whole chunks: aligned 16-byte loads
         segs = cdiv(n, seg_len)
         if segs > 1:
-            return Plan("split", 1, bn, _warps(bn), segs, seg_len)
+            # Fixed tiling; on the GPU "auto" still tunes the algorithm of the stats kernel.
+            return Plan("split", 1, bn, _warps(bn), segs, seg_len, tuned=caps is GPU_CAPS)
     tuned = caps is GPU_CAPS
     if n <= caps.max_block_n:
         bn = next_pow2(n)
@@ -488,6 +490,20 @@ softmax_bwd_loop_tuned = tuning.autotune(
     configs=_LOOP_CONFIGS, key=["KEY_N", "KEY_R", "WIDE"],
     prune_configs_by={"early_config_prune": _prune_loop})(softmax_bwd_kernel)
 
+
+# algorithm="auto": the algorithm is one more tuned parameter. Each chunked config is offered with
+# "online" and with "two_pass" (online first: the pinned choice), so the tuner picks the faster pair
+# for the key by measurement; a row held in one block reads x once either way and is offered once.
+def with_both_algorithms(configs):
+    return [triton.Config({**c.kwargs, "ALGORITHM": a}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in configs for a in (("online",) if c.kwargs.get("SINGLE_BLOCK") else ("online", "two_pass"))]
+
+
+softmax_fwd_loop_auto = tuning.autotune(
+    name="softmax_fwd_loop_auto",
+    configs=with_both_algorithms(_LOOP_CONFIGS), key=["KEY_N", "KEY_R", "WIDE"],
+    prune_configs_by={"early_config_prune": _prune_loop})(softmax_fwd_kernel)
+
 # Rows of 8K-16K elements (forward): one row per program held in registers (~100 registers per thread
 # at 16 warps, so one block per SM with no loads in flight while it reduces -- the norms' single pass
 # ran at 56% of copy so) or the pipelined chunk loop, which re-reads the row from L2. The autotuner
@@ -523,6 +539,16 @@ softmax_fwd_long_tuned = tuning.autotune(
     name="softmax_fwd_long",
     configs=_long_row_configs(), key=["KEY_N", "KEY_R", "ALGORITHM", "WIDE"],
     prune_configs_by={"early_config_prune": _prune_long})(softmax_fwd_kernel)
+softmax_fwd_long_auto = tuning.autotune(
+    name="softmax_fwd_long_auto",
+    configs=with_both_algorithms(_long_row_configs()), key=["KEY_N", "KEY_R", "WIDE"],
+    prune_configs_by={"early_config_prune": _prune_long})(softmax_fwd_kernel)
+# Few long rows split into segments: the stats kernel is where the algorithms differ (one read of each
+# segment or two); the write kernel then follows the algorithm the stats kernel measured faster.
+softmax_split_stats_auto = tuning.autotune(
+    name="softmax_split_stats_auto",
+    configs=[triton.Config({"ALGORITHM": a}, num_warps=_warps(GPU_CAPS.split_block_n)) for a in ("online", "two_pass")],
+    key=["N", "R", "WIDE"])(softmax_split_stats_kernel)
 
 # When False, the GPU runs the heuristic plan as is (no autotune): a switch for quick GPU checks.
 AUTOTUNE = True
@@ -561,34 +587,56 @@ def _flat_strides(layout: RowLayout):
 
 
 def launch_softmax_forward(x, y, layout: RowLayout, algorithm: str, interpret: bool) -> str:
-    """y = softmax(x) over the layout's rows; returns a description of the config that ran."""
+    """y = softmax(x) over the layout's rows; returns a description of the config that ran.
+    ``algorithm`` "auto": where the algorithms differ (rows longer than one block) and the GPU tunes,
+    the faster one for the key is measured (the *_auto tuners); otherwise "online", which reads a long
+    row twice instead of three times."""
     p = _plan_for(layout, x, interpret)
     R, r_inner, N = layout.rows, layout.r_inner, layout.n
     wide = layout.wide
+    measured = algorithm == "auto" and p.tuned and AUTOTUNE
+    if algorithm == "auto" and not measured:
+        algorithm = "online"
     if p.mode == "split":
         ws = torch.empty((2, R, p.segments), dtype=torch.float32, device=x.device)
         (sxo, sxi, sxn), (syo, syi, syn) = layout.strides
         grid = (p.segments, R)
-        softmax_split_stats_kernel[grid](x, ws[0], ws[1], N, R, r_inner, p.seg_len, p.segments,
-                                         sxo, sxi, sxn, ALGORITHM=algorithm, WIDE=wide,
-                                         BLOCK_N=p.block_n, num_warps=p.num_warps)
+        stats_args = (x, ws[0], ws[1], N, R, r_inner, p.seg_len, p.segments, sxo, sxi, sxn)
+        if measured:
+            softmax_split_stats_auto[grid](*stats_args, WIDE=wide, BLOCK_N=p.block_n)
+            algorithm = softmax_split_stats_auto.best_config.kwargs["ALGORITHM"]
+        else:
+            softmax_split_stats_kernel[grid](*stats_args, ALGORITHM=algorithm, WIDE=wide, BLOCK_N=p.block_n,
+                                             num_warps=p.num_warps)
         softmax_split_write_kernel[grid](x, y, ws[0], ws[1], N, R, r_inner, p.seg_len, p.segments,
                                          sxo, sxi, sxn, syo, syi, syn, ALGORITHM=algorithm, WIDE=wide,
                                          BLOCK_N=p.block_n, BLOCK_S=next_pow2(p.segments),
                                          num_warps=p.num_warps)
-        return f"{algorithm} {p.describe()}"
+        return f"{'auto ' if measured else ''}{algorithm} {p.describe()}"
     n_outer = R // r_inner
     args = (x, y, N, r_inner, *_flat_strides(layout), tuning.m_bucket(N), tuning.m_bucket(r_inner), n_outer)
     if p.mode == "block" and p.tuned and AUTOTUNE and p.block_n >= LONG_ROW_MIN_N:
         def grid(meta):
             return (n_outer * cdiv(r_inner, meta["BLOCK_M"]),)
 
-        softmax_fwd_long_tuned[grid](*args, ALGORITHM=algorithm, WIDE=wide)
-        cfg = softmax_fwd_long_tuned.best_config
+        if measured:
+            tuner = softmax_fwd_long_auto
+            tuner[grid](*args, WIDE=wide)
+        else:
+            tuner = softmax_fwd_long_tuned
+            tuner[grid](*args, ALGORITHM=algorithm, WIDE=wide)
+        cfg = tuner.best_config
         k = cfg.kwargs
         how = "block" if k["SINGLE_BLOCK"] else f"loop stages {k['LOOP_STAGES']}"
-        return f"{algorithm} {how} {k['BLOCK_M']}x{k['BLOCK_N']} w{cfg.num_warps} (tuned)"
+        chosen = f"auto {k['ALGORITHM']}" if measured else algorithm
+        return f"{chosen} {how} {k['BLOCK_M']}x{k['BLOCK_N']} w{cfg.num_warps} (tuned)"
+    if measured and p.mode == "loop":
+        common = dict(SINGLE_BLOCK=False, WIDE=wide)
+        described = _launch_rows(softmax_fwd_kernel, softmax_fwd_block_tuned, softmax_fwd_loop_auto,
+                                 p, args, common, n_outer, r_inner, "auto")
+        return described.replace("auto loop", f"auto {softmax_fwd_loop_auto.best_config.kwargs['ALGORITHM']} loop")
     # One tile per row: both algorithms are the same single read, so compile one variant.
+    algorithm = "online" if algorithm == "auto" else algorithm
     kernel_algorithm = "online" if p.mode == "block" else algorithm
     common = dict(ALGORITHM=kernel_algorithm, SINGLE_BLOCK=p.mode == "block", WIDE=wide)
     return _launch_rows(softmax_fwd_kernel, softmax_fwd_block_tuned, softmax_fwd_loop_tuned,

@@ -18,17 +18,6 @@ last_config = {"config": None, "path": None}
 last_backward_config = {"config": None, "path": None}
 
 
-def resolve_algorithm(algorithm: str) -> str:
-    """What "auto" runs.
-
-    Rule: a row that fits one block is read once and kept in registers whatever the algorithm (the
-    kernels compile one variant for both); a longer row takes "online", which reads it twice instead
-    of three times. This rule comes from the online-vs-two_pass measurement in
-    benchmarks/results/h200/ (softmax rows of the report; the lead fills in the numbers).
-    """
-    return "online" if algorithm == "auto" else algorithm
-
-
 def _check_softmax_args(x, dim, algorithm) -> int:
     """Returns dim as a non-negative int (0-d x counts as 1-d, as in torch)."""
     check_tensor("x", x)
@@ -94,7 +83,7 @@ def _forward(x: torch.Tensor, dim: int, algorithm: str, interpret: bool) -> torc
         x = x.contiguous()
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         layout = _layout([x.movedim(dim, -1), y.movedim(dim, -1)])
-    last_config["config"] = launch_softmax_forward(x, y, layout, resolve_algorithm(algorithm), interpret)
+    last_config["config"] = launch_softmax_forward(x, y, layout, algorithm, interpret)
     return y
 
 
@@ -136,7 +125,9 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
     kernels take a row stride and a column stride, no copy). The result has x's dtype (fp32 math
     inside) and x's memory layout when x is dense. ``algorithm``: "two_pass" (a max pass, then a
     sum pass, then the write), "online" (running max and rescaled sum in one pass, then the write),
-    or "auto" (see ``resolve_algorithm``); they differ only for rows longer than one block.
+    or "auto"; they differ only for rows longer than one block. "auto" on a GPU measures both for the
+    shape (the autotuner: the faster is kept in the tuning cache) and runs the faster; where nothing is
+    tuned (the interpreter) it runs "online", which reads a long row twice, not three times.
     Extremes as in torch: an all -inf row, a row with +inf or NaN gives NaN; large logits are safe.
     CPU tensors run the kernels under ``TRITON_INTERPRET=1`` and ``torch.softmax`` otherwise.
     """
