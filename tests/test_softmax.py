@@ -174,13 +174,25 @@ def test_auto_without_tuning_runs_online(device):
 
 @pytest.mark.skipif(ON_GPU, reason="drives the GPU launch path through the interpreter")
 @pytest.mark.parametrize("algorithm", ["online", "two_pass"])
-@pytest.mark.parametrize("plan", ["long", "split"])
+@pytest.mark.parametrize("plan", ["loop", "long", "split"])
 def test_auto_runs_the_algorithm_its_tuner_measured(plan, algorithm, monkeypatch):
-    """"auto" on the GPU plans: the algorithm is a tuned parameter (long rows: with the tiles; few long
-    rows split into segments: of the stats kernel, which the write kernel then follows). The tuner is
-    pinned here to a config of each algorithm, and the softmax must come out right with either."""
+    """"auto" on the GPU plans: the algorithm is a tuned parameter (chunk loops and long rows: with the
+    tiles; few long rows split into segments: of the stats kernel, which the write kernel then follows).
+    The tuner is pinned here to a config of each algorithm, and the softmax must come out right with
+    either. The loop plan is forced with small caps so that rows of 300 take it."""
     monkeypatch.setattr(K, "_caps", lambda interpret, device: K.GPU_CAPS)
-    if plan == "long":
+    if plan == "loop":
+        from tilefuse import runtime
+
+        caps = dataclasses.replace(K.INTERPRETER_CAPS, num_sms=2)
+        monkeypatch.setattr(K, "GPU_CAPS", caps)
+        monkeypatch.setattr(K, "_caps", lambda interpret, device: caps)
+        monkeypatch.setattr(runtime, "device_facts", lambda device: (9, 2))
+        tuner = K.softmax_fwd_loop_auto
+        chosen = next(c for c in tuner.configs if c.kwargs["PROGRAMS_PER_SM"] == 0 and c.kwargs["LOOP_STAGES"] == 1
+                      and c.kwargs["ALGORITHM"] == algorithm)
+        x = _rand(9, 300, device="cpu", seed=3, scale=4.0)
+    elif plan == "long":
         tuner = K.softmax_fwd_long_auto
         chosen = next(c for c in tuner.configs if not c.kwargs["SINGLE_BLOCK"] and c.kwargs["BLOCK_N"] == 4096
                       and c.kwargs["LOOP_STAGES"] == 3 and c.kwargs["ALGORITHM"] == algorithm)
@@ -195,7 +207,7 @@ def test_auto_runs_the_algorithm_its_tuner_measured(plan, algorithm, monkeypatch
     y = S.softmax(x, -1, algorithm="auto")
     assert_close(y, torch.softmax(x.double(), -1), 1e-5, f"auto {plan} {algorithm}")
     assert tuner.best_config is chosen
-    assert S.last_config["config"].startswith(f"auto {algorithm} {'loop' if plan == 'long' else 'split'}"), \
+    assert S.last_config["config"].startswith(f"auto {algorithm} {'split' if plan == 'split' else 'loop'}"), \
         S.last_config
 
 

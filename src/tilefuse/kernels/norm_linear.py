@@ -26,6 +26,7 @@ import triton.language as tl
 from tilefuse import tuning
 from tilefuse.kernels.tiling import cdiv, grouped_tile
 from tilefuse.kernels.activations import apply_activation
+from tilefuse.kernels import gemm_tma
 from tilefuse.kernels.gemm_epilogue import prune_portable_configs
 
 
@@ -199,8 +200,6 @@ def launch_norm_linear_tma(x2d, is_rms, eps, gamma, beta, w, b, y2d, activation,
     """layer_norm_linear on Hopper: the fold above, then the TMA GEMM, which takes the row statistics from
     the x tiles it streams and applies them in its epilogue. x2d, w, y2d pass ``gemm_tma.tma_supported``.
     ``config`` pins the GEMM's config (tests, variants). Returns it."""
-    from tilefuse.kernels import gemm_tma
-
     wf, shift, colsum = fold_weight(w, gamma, beta, b, is_rms)
     return gemm_tma.launch_linear_tma(x2d, wf, shift, y2d, activation, config=config,
                                       norm=(2 if is_rms else 1, eps, colsum))

@@ -630,16 +630,17 @@ def launch_softmax_forward(x, y, layout: RowLayout, algorithm: str, interpret: b
         how = "block" if k["SINGLE_BLOCK"] else f"loop stages {k['LOOP_STAGES']}"
         chosen = f"auto {k['ALGORITHM']}" if measured else algorithm
         return f"{chosen} {how} {k['BLOCK_M']}x{k['BLOCK_N']} w{cfg.num_warps} (tuned)"
-    if measured and p.mode == "loop":
+    loop_tuned = softmax_fwd_loop_tuned
+    if p.mode == "block":
+        # One tile per row: both algorithms are the same single read, so compile one variant.
+        algorithm = "online" if algorithm == "auto" else algorithm
+        common = dict(ALGORITHM="online", SINGLE_BLOCK=True, WIDE=wide)
+    elif measured:
+        loop_tuned = softmax_fwd_loop_auto  # its configs carry ALGORITHM
         common = dict(SINGLE_BLOCK=False, WIDE=wide)
-        described = _launch_rows(softmax_fwd_kernel, softmax_fwd_block_tuned, softmax_fwd_loop_auto,
-                                 p, args, common, n_outer, r_inner, "auto")
-        return described.replace("auto loop", f"auto {softmax_fwd_loop_auto.best_config.kwargs['ALGORITHM']} loop")
-    # One tile per row: both algorithms are the same single read, so compile one variant.
-    algorithm = "online" if algorithm == "auto" else algorithm
-    kernel_algorithm = "online" if p.mode == "block" else algorithm
-    common = dict(ALGORITHM=kernel_algorithm, SINGLE_BLOCK=p.mode == "block", WIDE=wide)
-    return _launch_rows(softmax_fwd_kernel, softmax_fwd_block_tuned, softmax_fwd_loop_tuned,
+    else:
+        common = dict(ALGORITHM=algorithm, SINGLE_BLOCK=False, WIDE=wide)
+    return _launch_rows(softmax_fwd_kernel, softmax_fwd_block_tuned, loop_tuned,
                         p, args, common, n_outer, r_inner, algorithm)
 
 
@@ -682,6 +683,8 @@ def _launch_rows(kernel, block_tuned, loop_tuned, p: Plan, args, common, n_outer
         loop_tuned[grid](*args, **common)
         cfg = loop_tuned.best_config
         per_sm = cfg.kwargs.get("PROGRAMS_PER_SM", 0)
+        if "ALGORITHM" in cfg.kwargs:  # a tuned algorithm ("auto") is named with the tiles
+            name = f"{name} {cfg.kwargs['ALGORITHM']}"
         return (f"{name} loop 1x{cfg.kwargs['BLOCK_N']} w{cfg.num_warps} stages {cfg.kwargs['LOOP_STAGES']}"
                 + (f" persistent {per_sm}/SM" if per_sm else "") + " (tuned)")
     kernel[grid](*args, **common, BLOCK_M=p.block_m, BLOCK_N=p.block_n, num_warps=p.num_warps)
