@@ -321,3 +321,23 @@ def test_strided_parameter_views_are_read_as_their_elements(device):
         ref = reference.layer_norm_linear(x.double(), w.double(), b.double(), lin_w.double(), lin_b.double(),
                                           eps=1e-5)
         assert_close(out, ref, REL_L2_BOUND[FP32], "layer_norm_linear strided vectors")
+
+
+def test_norm_linear_byte_model_counts_the_fold_it_runs():
+    """The Hopper form's fold (kernels/norm_linear.py ``fold_weight``) reads W whenever it runs and writes
+    W' only with gamma: RMSNorm with gamma moves 2*N*K elements (once counted as N*K), without gamma
+    nothing; LayerNorm reads W for its column sums either way."""
+    from tilefuse import registry
+
+    spec = registry.REGISTRY["layer_norm_linear"]
+    M, K, N = 64, 256, 96
+    s = BF16.itemsize
+
+    def fused(norm, affine):
+        return spec.hbm_bytes(dict(shape=(M, K, N), dtype=BF16, norm=norm, affine=affine, bias=False))["fused"]
+
+    vec_rms = K * s  # gamma, counted with the vectors whether or not the row uses it
+    gemm = (M * K + N * K + M * N) * s
+    assert fused("rms", False) == gemm + vec_rms
+    assert fused("rms", True) == gemm + vec_rms + 2 * N * K * s + 8 * N
+    assert fused("layer", True) - fused("layer", False) == N * K * s

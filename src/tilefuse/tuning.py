@@ -682,8 +682,7 @@ TMA_GEMM_CONFIGS = [
     # tma_store_wait{0} between them); with short K loops (K <= 1024) that stall is a visible share of a
     # tile. Unsplit, the only wait is at the next tile's epilogue. sm_90a: 133 registers, no spills.
     dict(bm=128, bn=128, bk=64, stages=4, warps=8, subtile=False),
-    # layer_norm_linear's form also reads each x tile into registers (its row sums), and the pipeliner then
-    # gives x one buffer less: 2 at 3 stages, 3 at 4. sm_90a: 214 KB shared with NORM, 229 KB without
-    # (the H200 allows 227 KiB), 230 / 210 registers, no spills.
+    # Four stages on the largest tile: 229 KB shared (the H200 allows 227 KiB = 232 KB), with and without
+    # NORM; sm_90a with NORM (x into wgmma from registers): 254 / 245 registers (layer / rms), no spills.
     dict(bm=128, bn=256, bk=64, stages=4, warps=8),
 ]

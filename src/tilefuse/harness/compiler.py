@@ -22,7 +22,7 @@ def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: di
     ``signature``: arg name -> triton type string ("*bf16", "i32", ...) for runtime args, or one pointer
     type string (e.g. "*bf16"): then every runtime ``*_ptr`` argument gets it and every other runtime
     argument is "i32"; a dict entry whose value is a pointer type overrides single args (give the dict
-    with key "*" for the default, e.g. {"*": "*fp16", "ws_ptr": "*fp32"}). ``constexprs``: arg name -> value. Returns regs, spill_store_bytes, shared bytes, wgmma (bool) and the PTX atomics used. Under
+    with key "*" for the default, e.g. {"*": "*fp16", "ws_ptr": "*fp32"}). ``constexprs``: arg name -> value. Returns regs, spill_store_bytes, shared bytes, wgmma (bool), wgmma_a_in_registers (bool) and the PTX atomics used. Under
     TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile, so the work then runs in a
     child process without it. ``aligned``: runtime argument names to compile as multiples of 16 (as
     Triton specializes aligned pointers and strides at launch); without them loads are not vectorized
@@ -73,8 +73,11 @@ def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=(), 
                               capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", info)]
+    # wgmma's A operand: a shared-memory descriptor (memdesc) or registers (a dot_op layout tensor).
+    a_in_registers = bool(re.search(r"ttng\.warp_group_dot [^\n]*: tensor<[^\n]*dot_op<\{opIdx = 0",
+                                    kernel.asm["ttgir"]))
     return {"regs": int(regs.group(1)) if regs else None, "spill_store_bytes": max(spills, default=0),
-            "shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx,
+            "shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "wgmma_a_in_registers": a_in_registers,
             "atomics": sorted(set(re.findall(r"\batom\.[\w.:]+", ptx)))}
 
 

@@ -94,7 +94,17 @@ def linear_tma_kernel(
             off_k = ki * BLOCK_K
             x_tile = x_desc.load([off_m, off_k])
             w_tile = w_desc.load([off_n, off_k])
-            acc = tl.dot(x_tile, w_tile.T, acc)
+            if NORM == 0:
+                acc = tl.dot(x_tile, w_tile.T, acc)
+            else:
+                # The row sums below read this x tile into registers too. With the tile as wgmma's shared
+                # operand, Triton 3.6's pipeliner then gives x one buffer too few: the TMA load of step
+                # i + STAGES - 1 overwrites the buffer that step i's still-running async wgmma reads (sm_90a
+                # TTGIR: x ring of 2 at 3 stages, refilled right after the dot's `pendings = 1` wait; H200
+                # rms rows came out at rel-L2 0.1-0.28). Feeding the dot from registers (a select on the
+                # zero-filled K tail, so it cannot fold away) ends the buffer's use at its register load.
+                in_k_dot = (off_k + tl.arange(0, BLOCK_K)) < K
+                acc = tl.dot(tl.where(in_k_dot[None, :], x_tile, 0.0).to(x_tile.dtype), w_tile.T, acc)
             if GATED:
                 acc_up = tl.dot(x_tile, wu_desc.load([off_n, off_k]).T, acc_up)
             if NORM == 1:

@@ -344,9 +344,10 @@ def _norm_linear_bytes(params):
         return {"fused": gemm + M * K * s + 16 * M + vec, "unfused": unfused}
     # 16-bit rows are benchmarked on Hopper, in the epilogue form (kernels/norm_linear.py): the GEMM sums
     # the rows itself; gamma is folded into W once per call (W read, W' written) and LayerNorm also sums
-    # W' over K; RMSNorm without gamma needs no fold. (Other GPUs run 16-bit in the prologue form.)
+    # W' over K (W read without gamma); RMSNorm without gamma needs no fold. (Other GPUs run 16-bit in
+    # the prologue form.)
     layer, affine = params.get("norm", "layer") == "layer", params.get("affine", True)
-    fold = (N * K * s * (int(layer) + int(affine)) + 8 * N) if (layer or affine) else 0
+    fold = (N * K * s * (1 + int(affine)) + 8 * N) if (layer or affine) else 0
     return {"fused": gemm + vec + fold, "unfused": unfused}
 
 
