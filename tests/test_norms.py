@@ -254,49 +254,6 @@ def test_norm_linear_epilogue_form_matches_float64(tma_launch_device, norm, affi
     assert_close(y, ref, REL_L2_BOUND[FP16], f"{norm} epilogue form")
 
 
-# ---- split rows (experimental long-row forward, kernels/norm_split_row.py) ---------------------------
-
-def _split_row_case(device, dtype, N, is_rms, residual, seed=0):
-    M = 37
-    x = _rand(M, N, device=device, dtype=dtype, seed=seed, mean=3.0)
-    res = _rand(M, N, device=device, dtype=dtype, seed=seed + 1) if residual else None
-    w = _rand(N, device=device, dtype=dtype, seed=seed + 2, mean=1.0)
-    b = None if is_rms else _rand(N, device=device, dtype=dtype, seed=seed + 3)
-    return x, res, w, b
-
-
-def _run_split_row(x, res, w, b, is_rms, splits, prefetch):
-    from tilefuse.kernels.norm_split_row import launch_norm_fwd_split
-
-    M, N = x.shape
-    y = torch.empty_like(x)
-    h = torch.empty_like(x) if res is not None else None
-    mean = torch.empty(M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
-    eps = 1e-6 if is_rms else 1e-5
-    launch_norm_fwd_split(x, res, w, b, y, h, mean, rstd, eps, is_rms, splits, prefetch=prefetch)
-    op = reference.rms_norm if is_rms else reference.layer_norm
-    args = (x.double(), (N,), w.double()) + (() if is_rms else (b.double(),))
-    ref = op(*args, eps, residual=None if res is None else res.double())
-    return (y, h), ref, rstd
-
-
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("is_rms,residual", [(False, False), (False, True), (True, False), (True, True)])
-def test_split_row_forward_matches_float64(device, is_rms, residual, prefetch):
-    """On the CPU one program per row (the interpreter cannot run programs side by side); on the GPU the
-    row is also split over 2, 8 and 16 programs, which must agree with float64, and twice in a row: each
-    launch must leave its arrival counters at zero for the next. 37 rows: programs loop over rows."""
-    x, res, w, b = _split_row_case(device, BF16, 3001, is_rms, residual)
-    for splits in ([1, 2, 8, 16, 16] if torch.cuda.is_available() else [1]):
-        (y, h), ref, _ = _run_split_row(x, res, w, b, is_rms, splits, prefetch)
-        if residual:
-            assert_close(y, ref[0], REL_L2_BOUND[BF16], f"split {splits} y")
-            assert_close(h, ref[1], REL_L2_BOUND[BF16], f"split {splits} h")
-        else:
-            assert_close(y, ref, REL_L2_BOUND[BF16], f"split {splits}")
-
-
 def test_strided_parameter_views_are_read_as_their_elements(device):
     """Norm weights and biases given as strided views (every other element of a buffer), forward and
     backward (the gradient reaches the viewed elements), and the same for layer_norm_linear."""

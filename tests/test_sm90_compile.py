@@ -226,27 +226,3 @@ def test_weight_fold_compiles_for_sm90(gamma, beta):
     facts = compile_sm90("tilefuse.kernels.norm_linear", "weight_fold_kernel", sig, consts,
                          num_warps=nl.FOLD_WARPS, aligned=("w_ptr", "wf_ptr", "K", "stride_wn", "stride_wfn"))
     assert facts["regs"] is not None and facts["spill_store_bytes"] == 0, facts
-
-
-@pytest.mark.parametrize("kernel,splits,block_n,prefetch", [("norm", 8, 16384, False), ("rms", 16, 8192, True),
-                                                            ("softmax", 8, 16384, True)])
-def test_split_row_kernels_wait_with_ordered_atomics(kernel, splits, block_n, prefetch):
-    """The split-row kernels' handshake survives compilation: an acq_rel arrival and an acquire poll in a
-    loop (an atomic add of 0 as the poll was compiled away, loop and all), and the row chunk in registers
-    without spills."""
-    sig = {"*": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-    consts = dict(SPLITS=splits, BLOCK_N=block_n, MAX_POLLS=1 << 20, PREFETCH=prefetch)
-    if kernel == "softmax":
-        module, name = "tilefuse.kernels.softmax_split_row", "softmax_fwd_split_kernel"
-        aligned = ("x_ptr", "y_ptr", "N", "CHUNK", "stride_xr", "stride_yr")
-    else:
-        module, name = "tilefuse.kernels.norm_split_row", "norm_fwd_split_kernel"
-        sig.update(mean_ptr="*fp32", rstd_ptr="*fp32", eps="fp32")
-        consts.update(IS_RMS=kernel == "rms", HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=kernel != "rms")
-        aligned = ("x_ptr", "res_ptr", "w_ptr", "b_ptr", "y_ptr", "h_ptr", "N", "CHUNK", "stride_xm", "stride_rm",
-                   "stride_ym", "stride_hm")
-    facts = compile_sm90(module, name, sig, consts, num_warps=8 if block_n <= 8192 else 16, num_stages=1,
-                         aligned=aligned)
-    assert "atom.global.gpu.acq_rel.add.u32" in facts["atomics"], facts
-    assert "atom.global.acquire.gpu.cas.b32" in facts["atomics"], facts
-    assert facts["spill_store_bytes"] == 0, facts

@@ -10,7 +10,6 @@ import torch
 
 import tilefuse.kernels.softmax as K
 from helpers import ON_GPU, assert_close
-from tilefuse.opspec import REL_L2_BOUND
 from tilefuse.ops import softmax as S
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
@@ -338,22 +337,3 @@ def test_persistent_chunk_loop_on_gpu(per_sm, block_n, monkeypatch):
     y = S.softmax(x, -1, algorithm="online")
     assert f"persistent {per_sm}/SM" in S.last_config["config"], S.last_config
     _check_fwd_bwd(x, y, _rand(600, 20000, device="cuda", seed=13), f"persistent {per_sm}/SM")
-
-
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_row_softmax_matches_torch(device, dtype, prefetch):
-    """The experimental split-row kernel (kernels/softmax_split_row.py) on the extreme rows, plus more rows
-    than programs: one program per row on the CPU (the interpreter cannot run programs side by side);
-    on the GPU also 2, 8 and 16 programs per row, twice in a row (each launch leaves its counters at zero).
-    Row 2's leading chunks are all -inf, which must add nothing to its sum."""
-    from tilefuse.kernels.softmax_split_row import launch_softmax_fwd_split
-
-    x = _extreme_rows(6, 3001, device, dtype)
-    x = torch.cat([x, _rand(31, 3001, device=device, seed=7).to(dtype)])
-    ref = torch.softmax(x.double(), -1)
-    for splits in ([1, 2, 8, 16, 16] if ON_GPU else [1]):
-        y = torch.empty_like(x)
-        launch_softmax_fwd_split(x, y, splits, prefetch=prefetch)
-        assert torch.equal(y.isnan(), ref.isnan()), f"splits {splits}: NaN rows differ: {y.isnan().any(-1)}"
-        assert_close(y, ref, REL_L2_BOUND[dtype], f"splits {splits}")
