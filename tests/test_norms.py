@@ -298,3 +298,25 @@ def test_norm_linear_byte_model_counts_the_fold_it_runs():
     assert fused("rms", False) == gemm + vec_rms
     assert fused("rms", True) == gemm + vec_rms + 2 * N * K * s + 8 * N
     assert fused("layer", True) - fused("layer", False) == N * K * s
+
+
+@pytest.mark.parametrize("name,params", [
+    ("layer_norm_backward", dict(shape=(7, 300), dtype=BF16)),
+    ("layer_norm_backward", dict(shape=(33, 70), dtype=FP32, residual=True)),
+    ("rms_norm_backward", dict(shape=(33, 70), dtype=FP16, affine="none", layout="multi_dim")),
+])
+def test_backward_kernels_only_gives_autograds_gradients(device, name, params):
+    """The report's GPU-only column times a backward row through the spec's "kernels_only" callable,
+    which runs ``_NormFunction.backward`` on the forward's node without the autograd engine. It must be
+    the same computation: the same gradients, in the same order, bit for bit, call after call."""
+    from tilefuse import registry
+
+    spec = registry.REGISTRY[name]
+    inputs = spec.make_inputs(params, device, 0)
+    expected = spec.fused(**inputs)
+    for _ in range(2):
+        got = spec.extra["kernels_only"](**inputs)
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            assert g.shape == e.shape and g.dtype == e.dtype
+            assert torch.equal(g, e)

@@ -97,9 +97,14 @@ def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_f
         row["ms"] = bench_ms(lambda: spec.fused(**inputs))
         row["host_us"] = host_us(lambda: spec.fused(**inputs))
         # Backward rows replay autograd.grad, whose kernels the autograd engine issues on the forward's
-        # stream, not the capturing one: capturing them would fail (and may poison the context).
-        row["graph_ms"] = (graph_ms(lambda: spec.fused(**inputs)) if "graph_cache" not in inputs
-                           else "not captured (autograd)")
+        # stream, not the capturing one: capturing them would fail (and may poison the context). Their
+        # GPU-only time is the spec's "kernels_only" callable: the backward's own code, no engine.
+        if "graph_cache" not in inputs:
+            row["graph_ms"] = graph_ms(lambda: spec.fused(**inputs))
+        elif "kernels_only" in spec.extra:
+            row["graph_ms"] = graph_ms(lambda: spec.extra["kernels_only"](**inputs))
+        else:
+            row["graph_ms"] = "not captured (autograd)"
         row["config"] = spec.config_used()
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
@@ -273,7 +278,8 @@ def render_markdown(result: dict) -> str:
                           "Anchor times in ms are in report.json. host µs: CPU time to issue one call; "
                           "† marks rows where it is at least 80% of ms, so ms may be the host's, not "
                           "the GPU's. GPU-only ms: the call captured in a CUDA graph and replayed after "
-                          "the same L2 flush (the kernels alone; TFLOP/s and % use ms)."]
+                          "the same L2 flush (the kernels alone; TFLOP/s and % use ms); for backward "
+                          "rows, the backward's kernels launched without the autograd engine."]
                 geo = _geomean_speedups(op["speed"])
                 if geo:
                     lines += ["", "Geomean speedup by dtype: " + "; ".join(

@@ -147,6 +147,33 @@ def _backward_runner(key, forward):
     return run
 
 
+def _backward_kernels_only(forward):
+    """The same backward without the autograd engine, for the report's GPU-only column (autograd's
+    replay cannot be captured in a CUDA graph): the forward runs once per inputs dict, and each call then
+    runs ``_NormFunction.backward`` on the forward's own graph node, which is its ctx. Returns the
+    gradients as the autograd call does: (dx, [dresidual], [dweight], [dbias]) for the inputs given."""
+    def run(x, normalized_shape, weight, eps, residual, dy, dh, graph_cache, bias=None):
+        entry = graph_cache.get("kernels only")
+        if entry is None or entry["x"] is not x:
+            graph_cache.pop("kernels only", None)
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() if t is not None else None
+                          for t in (x, weight, bias, residual)]
+                x_l, w_l, b_l, r_l = leaves
+                kwargs = {"bias": b_l} if bias is not None else {}
+                out = forward(x_l, normalized_shape, w_l, eps=eps, residual=r_l, **kwargs)
+            node = (out[0] if residual is not None else out).grad_fn
+            while node is not None and type(node).__name__ != "_NormFunctionBackward":
+                node = node.next_functions[0][0]  # past views the op may have added
+            if node is None:
+                raise RuntimeError("the forward did not go through tilefuse's _NormFunction")
+            entry = graph_cache["kernels only"] = {"x": x, "node": node, "out": out}
+        dx, dres, dw, db = norm_ops._NormFunction.backward(entry["node"], dy, dh)[:4]
+        grads = [dx] + ([dw] if weight is not None else []) + ([db] if bias is not None else [])
+        return tuple(grads + ([dres] if residual is not None else []))
+    return run
+
+
 def _layer_norm_keyword(fn):
     def forward(x, normalized_shape, weight, eps, residual, bias=None):
         return fn(x, normalized_shape, weight, bias, eps, residual)
@@ -161,14 +188,16 @@ def _rms_norm_keyword(fn):
 
 def _backward_callables(is_rms):
     wrap = _rms_norm_keyword if is_rms else _layer_norm_keyword
-    fused = _backward_runner("tilefuse", wrap(_rms_norm_fused if is_rms else _layer_norm_fused))
+    fused_forward = wrap(_rms_norm_fused if is_rms else _layer_norm_fused)
+    fused = _backward_runner("tilefuse", fused_forward)
+    kernels_only = _backward_kernels_only(fused_forward)
     ref = _backward_runner("reference", wrap(_rms_norm_ref if is_rms else _layer_norm_ref))
 
     def anchors(params):
         compiled = torch.compile(_rms_norm_ref if is_rms else _layer_norm_ref, dynamic=False)
         return {"torch.compile": _backward_runner("torch.compile", wrap(compiled)),
                 "liger": _backward_runner("liger", _liger_forward(is_rms))}
-    return fused, ref, anchors
+    return fused, ref, anchors, kernels_only
 
 
 # ---- byte models --------------------------------------------------------------------------------
@@ -240,7 +269,7 @@ def _norm_specs(is_rms: bool) -> list[OpSpec]:
         "gpu": [dict(shape=(2048, 4096), dtype=d) for d in (FP32, FP16, BF16)]
                + [dict(shape=(64, 131072), dtype=BF16, residual=True)],
     }
-    bwd_fused, bwd_ref, bwd_anchors = _backward_callables(is_rms)
+    bwd_fused, bwd_ref, bwd_anchors, bwd_kernels_only = _backward_callables(is_rms)
     forward = OpSpec(
         name=name,
         summary=(f"{'RMSNorm' if is_rms else 'LayerNorm'} over the trailing dims, optional residual add "
@@ -283,6 +312,7 @@ def _norm_specs(is_rms: bool) -> list[OpSpec]:
         anchors=bwd_anchors,
         config_used=_config_used,
         label=_label,
+        extra={"kernels_only": bwd_kernels_only},
     )
     return [forward, backward]
 
