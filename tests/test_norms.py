@@ -83,6 +83,30 @@ def test_zero_rows(device, op):
     assert dx.shape == x.shape and torch.equal(dw, torch.zeros_like(w))
 
 
+@pytest.mark.parametrize("rows", [0, 5])
+@pytest.mark.parametrize("affine", ["weight", "bias", "both"])
+def test_layer_norm_parameter_gradients_each_alone_and_together(device, rows, affine):
+    """dweight and dbias come out of one fp32 partial buffer and one cast: each must land on its own
+    parameter, in its dtype and shape (normalized over two dims), whether asked for alone or together,
+    and as zeros for zero rows."""
+    x = _rand(rows, 4, 6, device=device, dtype=BF16, mean=0.5).requires_grad_()
+    w = _rand(4, 6, device=device, dtype=BF16, seed=1, mean=1.0).requires_grad_() if affine != "bias" else None
+    b = _rand(4, 6, device=device, dtype=BF16, seed=2).requires_grad_() if affine != "weight" else None
+    dy = _rand(rows, 4, 6, device=device, dtype=BF16, seed=3)
+    params = [t for t in (w, b) if t is not None]
+    got = torch.autograd.grad(tilefuse.layer_norm(x, (4, 6), w, b), params, dy)
+    ref_params = [t.detach().double().requires_grad_() for t in params]
+    rw = ref_params[0] if w is not None else None
+    rb = ref_params[-1] if b is not None else None
+    ref = torch.autograd.grad(F.layer_norm(x.detach().double(), (4, 6), rw, rb), ref_params, dy.double())
+    for g, r, p in zip(got, ref, params):
+        assert g.dtype == p.dtype and g.shape == p.shape
+        if rows == 0:
+            assert torch.equal(g, torch.zeros_like(p))
+        else:
+            assert_close(g, r, REL_L2_BOUND[BF16], f"{affine} grad")
+
+
 @pytest.mark.parametrize("op", ["layer", "rms"])
 def test_nan_stays_in_its_row(device, op):
     x = _rand(6, 300, device=device)  # chunked path: the NaN must not leak into other rows

@@ -404,7 +404,9 @@ def launch_norm_fwd(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, is_rms,
 
 
 def launch_norm_bwd(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_dw, compute_db, interpret):
-    """Returns (dweight_fp32 or None, dbias_fp32 or None); dx is written into dx2d."""
+    """dx is written into dx2d. Returns the fp32 column sums, [2, N] (dweight, dbias), [1, N] (the one
+    asked for) or None: one allocation and one reduction for both, since on a GPU host each torch op
+    costs microseconds and a backward row of this size is near its host time."""
     M, N = h2d.shape
     block_n = block_n_for(N, interpret)
     dummy = rstd
@@ -423,8 +425,7 @@ def launch_norm_bwd(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_d
             # small next to the M x N tensors.
             programs = min(cdiv(M, block_m), _num_sms(dev) * max(1, 32 // warps))
         programs = max(programs, 1)
-        dw_part = torch.empty((programs, N), dtype=torch.float32, device=dev) if compute_dw else dummy
-        db_part = torch.empty((programs, N), dtype=torch.float32, device=dev) if compute_db else dummy
+        parts, dw_part, db_part = _partial_rows(programs, N, compute_dw, compute_db, dev, dummy)
         norm_bwd_kernel[(programs,)](
             dy2d, h2d, w_arg, mean_arg, rstd, dh2d if dh2d is not None else dummy, dx2d, dw_part, db_part,
             M, N, dy2d.stride(0), h2d.stride(0), dh2d.stride(0) if dh2d is not None else 0, dx2d.stride(0),
@@ -441,8 +442,7 @@ def launch_norm_bwd(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_d
         else:
             groups = min(row_tiles, max(1, cdiv(4 * _num_sms(dev), num_chunks)))
         dots = torch.empty((M, num_chunks, 2), dtype=torch.float32, device=dev)
-        dw_part = torch.empty((groups, N), dtype=torch.float32, device=dev) if compute_dw else dummy
-        db_part = torch.empty((groups, N), dtype=torch.float32, device=dev) if compute_db else dummy
+        parts, dw_part, db_part = _partial_rows(groups, N, compute_dw, compute_db, dev, dummy)
         norm_bwd_chunk_sums_kernel[(groups, num_chunks)](
             dy2d, h2d, w_arg, mean_arg, rstd, dots, dw_part, db_part, M, N, num_chunks,
             dy2d.stride(0), h2d.stride(0), **flags, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
@@ -454,6 +454,18 @@ def launch_norm_bwd(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_d
             **flags, HAS_DH=dh2d is not None, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_C=next_pow2(num_chunks), num_warps=warps)
     # Fixed-order reduction of the per-program partial rows: deterministic run to run.
-    dw = dw_part.sum(dim=0) if compute_dw else None
-    db = db_part.sum(dim=0) if compute_db else None
-    return dw, db
+    return parts.sum(dim=1) if parts is not None else None
+
+
+def _partial_rows(rows, N, compute_dw, compute_db, dev, dummy):
+    """(parts [n, rows, N] fp32 or None, dweight partial rows, dbias partial rows): one allocation; a
+    partial not asked for is ``dummy`` (never written)."""
+    n = int(compute_dw) + int(compute_db)
+    if n == 0:
+        return None, dummy, dummy
+    parts = torch.empty((n, rows, N), dtype=torch.float32, device=dev)
+    if n == 2:
+        dw_part, db_part = parts.unbind(0)
+        return parts, dw_part, db_part
+    one = parts.view(rows, N)
+    return parts, (one if compute_dw else dummy), (one if compute_db else dummy)

@@ -114,18 +114,24 @@ class _NormFunction(torch.autograd.Function):
         M = h2d.shape[0]
         dx = torch.empty(ctx.shape, dtype=dy.dtype, device=dy.device)
         dw = db = None
+        n_sums = int(compute_dw) + int(compute_db)
+        sums = None  # fp32 [n_sums, N]: dweight then dbias, whichever are asked for
         if M > 0 and (need_dx or compute_dw or compute_db):
             from tilefuse.kernels.norms import launch_norm_bwd
             dh2d = _rows(dh, N) if dh is not None else None
-            dw, db = launch_norm_bwd(_rows(dy, N), h2d, weight, None if ctx.is_rms else mean, rstd, dh2d,
-                                     dx.view(M, N), ctx.is_rms, compute_dw, compute_db, ctx.interpret)
-        elif M == 0:
-            dw = torch.zeros(N, dtype=torch.float32, device=dy.device) if compute_dw else None
-            db = torch.zeros(N, dtype=torch.float32, device=dy.device) if compute_db else None
-        if dw is not None:
-            dw = dw.view(ctx.norm_shape).to(weight.dtype)
-        if db is not None:
-            db = db.view(ctx.norm_shape).to(dy.dtype)
+            sums = launch_norm_bwd(_rows(dy, N), h2d, weight, None if ctx.is_rms else mean, rstd, dh2d,
+                                   dx.view(M, N), ctx.is_rms, compute_dw, compute_db, ctx.interpret)
+        elif M == 0 and n_sums:
+            sums = torch.zeros(n_sums, N, dtype=torch.float32, device=dy.device)
+        if sums is not None:
+            # One cast for both: weight and bias have x's dtype (checked in the forward), and h is x's.
+            grads = sums.to(h.dtype)
+            if n_sums == 2:
+                dw, db = grads.view(2, *ctx.norm_shape).unbind(0)
+            elif compute_dw:
+                dw = grads.view(ctx.norm_shape)
+            else:
+                db = grads.view(ctx.norm_shape)
         # h = x + residual: both receive the gradient of h (the same tensor).
         dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
         return (dx if ctx.needs_input_grad[0] else None), dres, dw, db, None, None, None, None
