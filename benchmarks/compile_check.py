@@ -1,5 +1,5 @@
 """Compiler facts (registers, spills, shared memory, wgmma) of the GEMM kernel variants for sm_90a,
-without a GPU. Run: PYTHONPATH=src python benchmarks/compile_check.py [OUT.json]"""
+without a GPU. Run: PYTHONPATH=src:benchmarks python benchmarks/compile_check.py [OUT.json [gemm|norm ...]]"""
 import sys
 
 from rows import collect
@@ -29,8 +29,33 @@ def facts_rows():
         yield {"kernel": "linear_tma", "activation": activation, **c, "ws": ws, "launcher_keeps": kept, **facts}
 
 
-def main(out=None):
-    collect(facts_rows(), out)
+# layer_norm_linear's form, compiled as a launch at the bench shapes specializes it (N, K and the row
+# strides multiples of 16): its row sums and register operand are what NORM adds to the main loop.
+NORM_ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "wu_ptr", "bu_ptr", "N", "K", "stride_xm", "stride_wn",
+                "stride_wun", "stride_ym")
+
+
+def norm_rows():
+    for norm in (1, 2):
+        for c in tuning.TMA_GEMM_CONFIGS:
+            consts = dict(HAS_BIAS=True, ACTIVATION="none", GATED=False, NORM=norm, NUM_SMS=132, BLOCK_M=c["bm"],
+                          BLOCK_N=c["bn"], BLOCK_K=c["bk"], GROUP_M=8, EPILOGUE_SUBTILE=c.get("subtile", True),
+                          WARP_SPECIALIZE=False)
+            sig = {"*": "*bf16", "b_ptr": "*fp32", "bu_ptr": "*fp32", "eps": "fp32"}
+            facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", sig, consts, c["warps"],
+                                 c["stages"], aligned=NORM_ALIGNED)
+            yield {"kernel": "linear_tma", "norm": {1: "layer", 2: "rms"}[norm], **c, "ws": False, **facts}
+
+
+def main(out=None, *which):
+    """``which``: "gemm" (every linear/gated config), "norm" (layer_norm_linear's form); both by default."""
+    which = which or ("gemm", "norm")
+    rows = []
+    if "gemm" in which:
+        rows.append(facts_rows())
+    if "norm" in which:
+        rows.append(norm_rows())
+    collect((r for gen in rows for r in gen), out)
 
 
 if __name__ == "__main__":

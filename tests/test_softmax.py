@@ -337,3 +337,19 @@ def test_persistent_chunk_loop_on_gpu(per_sm, block_n, monkeypatch):
     y = S.softmax(x, -1, algorithm="online")
     assert f"persistent {per_sm}/SM" in S.last_config["config"], S.last_config
     _check_fwd_bwd(x, y, _rand(600, 20000, device="cuda", seed=13), f"persistent {per_sm}/SM")
+
+
+@pytest.mark.parametrize("shape,layout", [((5, 300), "rows"), ((33, 70), "dim0")])
+def test_backward_kernels_only_gives_autograds_gradient(device, shape, layout):
+    """The report's GPU-only column times softmax_backward through the spec's "kernels_only" callable
+    (``_SoftmaxFunction.backward`` on the forward's node, no autograd engine): the same dx as the timed
+    autograd call, bit for bit, call after call."""
+    from tilefuse import registry
+
+    spec = registry.REGISTRY["softmax_backward"]
+    inputs = spec.make_inputs(dict(shape=shape, dtype=torch.bfloat16, layout=layout), device, 0)
+    expected = spec.fused(**inputs)
+    for _ in range(2):
+        got = spec.extra["kernels_only"](**inputs)
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        assert torch.equal(got, expected)

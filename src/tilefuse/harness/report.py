@@ -99,12 +99,12 @@ def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_f
         # Backward rows replay autograd.grad, whose kernels the autograd engine issues on the forward's
         # stream, not the capturing one: capturing them would fail (and may poison the context). Their
         # GPU-only time is the spec's "kernels_only" callable: the backward's own code, no engine.
-        if "graph_cache" not in inputs:
-            row["graph_ms"] = graph_ms(lambda: spec.fused(**inputs))
-        elif "kernels_only" in spec.extra:
+        if "kernels_only" in spec.extra:
             row["graph_ms"] = graph_ms(lambda: spec.extra["kernels_only"](**inputs))
-        else:
+        elif "graph_cache" in inputs:
             row["graph_ms"] = "not captured (autograd)"
+        else:
+            row["graph_ms"] = graph_ms(lambda: spec.fused(**inputs))
         row["config"] = spec.config_used()
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)

@@ -84,7 +84,8 @@ class BackwardOnly:
         self._key = None
         self._graph = None
 
-    def __call__(self, x, dy, dim, algorithm):
+    def graph(self, x, dy, dim, algorithm):
+        """(x leaf, y) of the forward for these inputs, built on first use."""
         key = self._key
         if key is None or key[0] is not x or key[1] is not dy or key[2:] != (dim, algorithm):
             self._key = self._graph = None  # free the previous graph first
@@ -92,10 +93,29 @@ class BackwardOnly:
                 xg = x.detach().requires_grad_()
                 self._graph = (xg, self.forward(xg, dim, algorithm))
             self._key = (x, dy, dim, algorithm)
-        xg, y = self._graph
+        return self._graph
+
+    def __call__(self, x, dy, dim, algorithm):
+        xg, y = self.graph(x, dy, dim, algorithm)
         with torch.enable_grad():
             (dx,) = torch.autograd.grad(y, xg, dy, retain_graph=True)
         return dx
+
+
+_FUSED_BACKWARD = BackwardOnly(_fused)
+
+
+def _backward_kernels_only(x, dy, dim, algorithm):
+    """The fused backward without the autograd engine, for the report's GPU-only column (autograd's
+    replay cannot be captured in a CUDA graph): ``_SoftmaxFunction.backward`` on the forward's own graph
+    node, which is its ctx, on the graph the timed call uses."""
+    _, y = _FUSED_BACKWARD.graph(x, dy, dim, algorithm)
+    node = y.grad_fn
+    while node is not None and type(node).__name__ != "_SoftmaxFunctionBackward":
+        node = node.next_functions[0][0]  # past views the op may have added
+    if node is None:
+        raise RuntimeError("the forward did not go through tilefuse's _SoftmaxFunction")
+    return softmax_op._SoftmaxFunction.backward(node, dy)[0]
 
 
 def _bytes(params, tensors: int):
@@ -171,7 +191,7 @@ SOFTMAX = OpSpec(
 SOFTMAX_BACKWARD = OpSpec(
     name="softmax_backward",
     summary="softmax backward dx = y * (dy - sum(dy * y)) in one kernel (timed alone: graph built once)",
-    fused=BackwardOnly(_fused),
+    fused=_FUSED_BACKWARD,
     reference=BackwardOnly(_reference),
     make_inputs=make_backward_inputs,
     test_grid={
@@ -193,6 +213,7 @@ SOFTMAX_BACKWARD = OpSpec(
     anchors=_backward_anchors,
     config_used=lambda: str(softmax_op.last_backward_config["config"]),
     label=lambda p: _label({**p, "algorithm": p.get("algorithm", "auto")}).replace(" auto", ""),
+    extra={"kernels_only": _backward_kernels_only},
 )
 
 SPECS = [SOFTMAX, SOFTMAX_BACKWARD]
