@@ -13,8 +13,8 @@ NORM (layer_norm_linear): ``act(norm(x) @ W^T + b)`` with the normalization move
 W' = W * gamma (gamma along K), s = W' summed over K and c = b + W @ beta (kernels/norm_linear.py makes
 them), norm(x) @ W^T + b = rstd * (x @ W'^T - mean * s) + c: the main loop is this TMA GEMM on raw x,
 which also sums each row of the x tiles it already holds (the statistics: no pre-pass reads x again),
-and the epilogue applies mean and rstd. No normalized x is written, and none is fed to wgmma from
-registers, so its operands take the linear kernel's TMA -> shared memory path.
+and the epilogue applies mean and rstd. No normalized x is written. x still arrives by TMA, but its dot
+reads it from registers (see the main loop for the pipelining hazard this avoids); W stays in shared memory.
 Limits: x and y row-contiguous, w [N, K] K-contiguous, row strides multiples of 16 bytes, base pointers
 16-byte aligned; otherwise tilefuse.linear uses the portable kernel (gemm_epilogue.py).
 """
