@@ -94,6 +94,7 @@ def linear_tma_kernel(
             off_k = ki * BLOCK_K
             x_tile = x_desc.load([off_m, off_k])
             w_tile = w_desc.load([off_n, off_k])
+            in_k = (off_k + tl.arange(0, BLOCK_K)) < K  # NORM: TMA zero-fills the tail of the last K step
             if NORM == 0:
                 acc = tl.dot(x_tile, w_tile.T, acc)
             else:
@@ -103,13 +104,11 @@ def linear_tma_kernel(
                 # TTGIR: x ring of 2 at 3 stages, refilled right after the dot's `pendings = 1` wait; H200
                 # rms rows came out at rel-L2 0.1-0.28). Feeding the dot from registers (a select on the
                 # zero-filled K tail, so it cannot fold away) ends the buffer's use at its register load.
-                in_k_dot = (off_k + tl.arange(0, BLOCK_K)) < K
-                acc = tl.dot(tl.where(in_k_dot[None, :], x_tile, 0.0).to(x_tile.dtype), w_tile.T, acc)
+                acc = tl.dot(tl.where(in_k[None, :], x_tile, 0.0).to(x_tile.dtype), w_tile.T, acc)
             if GATED:
                 acc_up = tl.dot(x_tile, wu_desc.load([off_n, off_k]).T, acc_up)
             if NORM == 1:
-                in_k = (off_k + tl.arange(0, BLOCK_K)) < K  # TMA zero-fills the tail; zero - shift is not zero
-                d = tl.where(in_k[None, :], x_tile.to(tl.float32) - row_shift[:, None], 0.0)
+                d = tl.where(in_k[None, :], x_tile.to(tl.float32) - row_shift[:, None], 0.0)  # 0 - shift != 0
                 row_sum += tl.sum(d, axis=1)
                 row_sq += tl.sum(d * d, axis=1)
             if NORM == 2:

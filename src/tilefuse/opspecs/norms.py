@@ -9,7 +9,7 @@ import torch
 from tilefuse import tuning
 from tilefuse.ops import norms as norm_ops
 from tilefuse.reference import norms as reference
-from tilefuse.opspec import OpSpec
+from tilefuse.opspec import OpSpec, function_node
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -123,52 +123,45 @@ def _forward_anchors(is_rms):
 
 # ---- backward: time only torch.autograd.grad on a forward graph built once per inputs dict ----------
 
+def _forward_graph(key, forward, x, normalized_shape, weight, eps, residual, dy, dh, graph_cache, bias):
+    """The forward graph for these inputs, built once per inputs dict (cached in its ``graph_cache``
+    under ``key``, rebuilt when another x is passed): {"outs", "leaves", "grads"} for autograd.grad."""
+    entry = graph_cache.get(key)
+    if entry is None or entry["x"] is not x:
+        graph_cache.pop(key, None)
+        with torch.enable_grad():  # the report calls ops under no_grad
+            leaves = [t.detach().requires_grad_() for t in (x, weight, bias, residual) if t is not None]
+            it = iter(leaves)
+            x_l = next(it)
+            w_l = next(it) if weight is not None else None
+            b_l = next(it) if bias is not None else None
+            r_l = next(it) if residual is not None else None
+            kwargs = {"bias": b_l} if bias is not None else {}
+            out = forward(x_l, normalized_shape, w_l, eps=eps, residual=r_l, **kwargs)
+        outs, grads = ((list(out), [dy, dh]) if residual is not None else ([out], [dy]))
+        entry = graph_cache[key] = {"x": x, "outs": outs, "leaves": leaves, "grads": grads}
+    return entry
+
+
 def _backward_runner(key, forward):
     """Wrap ``forward(x, normalized_shape, weight, [bias,] eps, residual)`` into a callable that returns
-    the gradients (dx, [dweight], [dbias], [dresidual]). The forward graph is cached in the inputs
-    dict's ``graph_cache`` under ``key`` and reused while the same x is passed, so a timed call is the
-    backward alone (``retain_graph=True``)."""
+    the gradients (dx, [dweight], [dbias], [dresidual]) by ``torch.autograd.grad`` on a forward graph
+    built once per inputs dict, so a timed call is the backward alone (``retain_graph=True``)."""
     def run(x, normalized_shape, weight, eps, residual, dy, dh, graph_cache, bias=None):
-        with torch.enable_grad():  # the report calls ops under no_grad
-            entry = graph_cache.get(key)
-            if entry is None or entry["x"] is not x:
-                graph_cache.pop(key, None)
-                leaves = [t.detach().requires_grad_() for t in (x, weight, bias, residual) if t is not None]
-                it = iter(leaves)
-                x_l = next(it)
-                w_l = next(it) if weight is not None else None
-                b_l = next(it) if bias is not None else None
-                r_l = next(it) if residual is not None else None
-                kwargs = {"bias": b_l} if bias is not None else {}
-                out = forward(x_l, normalized_shape, w_l, eps=eps, residual=r_l, **kwargs)
-                outs, grads = ((list(out), [dy, dh]) if residual is not None else ([out], [dy]))
-                entry = graph_cache[key] = {"x": x, "outs": outs, "leaves": leaves, "grads": grads}
+        entry = _forward_graph(key, forward, x, normalized_shape, weight, eps, residual, dy, dh, graph_cache, bias)
+        with torch.enable_grad():
             return torch.autograd.grad(entry["outs"], entry["leaves"], entry["grads"], retain_graph=True)
     return run
 
 
-def _backward_kernels_only(forward):
-    """The same backward without the autograd engine, for the report's GPU-only column (autograd's
-    replay cannot be captured in a CUDA graph): the forward runs once per inputs dict, and each call then
-    runs ``_NormFunction.backward`` on the forward's own graph node, which is its ctx. Returns the
-    gradients as the autograd call does: (dx, [dresidual], [dweight], [dbias]) for the inputs given."""
+def _backward_kernels_only(key, forward):
+    """The runner above without the autograd engine, for the report's GPU-only column: on the same
+    cached forward graph, ``_NormFunction.backward`` runs on the forward's own node (its ctx). Same
+    gradients in the same order: (dx, [dweight], [dbias], [dresidual])."""
     def run(x, normalized_shape, weight, eps, residual, dy, dh, graph_cache, bias=None):
-        entry = graph_cache.get("kernels only")
-        if entry is None or entry["x"] is not x:
-            graph_cache.pop("kernels only", None)
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_() if t is not None else None
-                          for t in (x, weight, bias, residual)]
-                x_l, w_l, b_l, r_l = leaves
-                kwargs = {"bias": b_l} if bias is not None else {}
-                out = forward(x_l, normalized_shape, w_l, eps=eps, residual=r_l, **kwargs)
-            node = (out[0] if residual is not None else out).grad_fn
-            while node is not None and type(node).__name__ != "_NormFunctionBackward":
-                node = node.next_functions[0][0]  # past views the op may have added
-            if node is None:
-                raise RuntimeError("the forward did not go through tilefuse's _NormFunction")
-            entry = graph_cache["kernels only"] = {"x": x, "node": node, "out": out}
-        dx, dres, dw, db = norm_ops._NormFunction.backward(entry["node"], dy, dh)[:4]
+        entry = _forward_graph(key, forward, x, normalized_shape, weight, eps, residual, dy, dh, graph_cache, bias)
+        node = function_node(entry["outs"][0], "_NormFunction")
+        dx, dres, dw, db = norm_ops._NormFunction.backward(node, dy, dh)[:4]
         grads = [dx] + ([dw] if weight is not None else []) + ([db] if bias is not None else [])
         return tuple(grads + ([dres] if residual is not None else []))
     return run
@@ -190,7 +183,7 @@ def _backward_callables(is_rms):
     wrap = _rms_norm_keyword if is_rms else _layer_norm_keyword
     fused_forward = wrap(_rms_norm_fused if is_rms else _layer_norm_fused)
     fused = _backward_runner("tilefuse", fused_forward)
-    kernels_only = _backward_kernels_only(fused_forward)
+    kernels_only = _backward_kernels_only("tilefuse", fused_forward)
     ref = _backward_runner("reference", wrap(_rms_norm_ref if is_rms else _layer_norm_ref))
 
     def anchors(params):

@@ -5,7 +5,7 @@ import torch
 
 from tilefuse.ops import softmax as softmax_op
 from tilefuse.reference.softmax import softmax as reference_softmax
-from tilefuse.opspec import OpSpec
+from tilefuse.opspec import OpSpec, function_node
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -110,12 +110,7 @@ def _backward_kernels_only(x, dy, dim, algorithm):
     replay cannot be captured in a CUDA graph): ``_SoftmaxFunction.backward`` on the forward's own graph
     node, which is its ctx, on the graph the timed call uses."""
     _, y = _FUSED_BACKWARD.graph(x, dy, dim, algorithm)
-    node = y.grad_fn
-    while node is not None and type(node).__name__ != "_SoftmaxFunctionBackward":
-        node = node.next_functions[0][0]  # past views the op may have added
-    if node is None:
-        raise RuntimeError("the forward did not go through tilefuse's _SoftmaxFunction")
-    return softmax_op._SoftmaxFunction.backward(node, dy)[0]
+    return softmax_op._SoftmaxFunction.backward(function_node(y, "_SoftmaxFunction"), dy)[0]
 
 
 def _bytes(params, tensors: int):
