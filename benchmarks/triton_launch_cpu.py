@@ -10,11 +10,11 @@ Run anywhere:  PYTHONPATH=src python benchmarks/triton_launch_cpu.py
 """
 from __future__ import annotations
 
-import time
-
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
+
+from tilefuse.harness.timing import host_us
 
 
 class _StandInDriver:
@@ -52,15 +52,12 @@ def launch_cost_us(jit_fn, args: tuple, kwargs: dict, grid: tuple, calls: int = 
         return stub
 
     jit_fn._do_compile = compile_stub
-    jit_fn.run(*args, grid=grid, warmup=False, **kwargs)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            jit_fn.run(*args, grid=grid, warmup=False, **kwargs)
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
+    def launch():
+        jit_fn.run(*args, grid=grid, warmup=False, **kwargs)
+
+    launch()
+    return host_us(launch, calls=calls, rounds=rounds)
 
 def main() -> None:
     driver.set_active(_StandInDriver())
