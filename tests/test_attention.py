@@ -254,3 +254,61 @@ def test_register_capped_tiles_match_reference(d, causal, monkeypatch):
     out = attention(q, k, v, causal=causal)
     assert capped and last_config["config"].maxnreg == capped[0].maxnreg
     assert_close(out, ref.attention(*_f64(q, k, v), causal=causal), REL_L2_BOUND[BF16], f"capped d={d}")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("pingpong", [True, False])
+@pytest.mark.parametrize("dtype", [FP16, BF16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,causal,window", [
+    (2, 4, 4, 1000, 1000, False, None),      # ragged last tiles (1000 = 7 * 128 + 104)
+    (1, 8, 2, 257, 1000, True, None),        # GQA 4, bottom-right causal, Nq < Nk
+    (1, 4, 1, 300, 64, True, None),          # Nq > Nk: the first 236 rows see no key (a CTA with none)
+    (1, 4, 2, 1, 777, False, None),          # one query row (decode)
+    (2, 4, 2, 700, 900, False, (300, 100)),  # two-sided window
+    (1, 4, 4, 2048, 2048, True, (1023, 0)),  # sliding window: tiles before the window are skipped
+    (1, 2, 2, 64, 4096, False, (-1, 7)),     # right-only window
+])
+def test_warp_specialized_kernel_matches_reference(pingpong, dtype, d, B, Hq, Hkv, Nq, Nk, causal, window):
+    """The Gluon kernel (a TMA producer warp, two consumer warpgroups), in both consumer schedules,
+    against the float64 reference, output and lse, on shapes that cut every tile boundary."""
+    from tilefuse.kernels import attention_ws
+
+    q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, d, "cuda", dtype)
+    ro, rl = ref.attention(*_f64(q, k, v), causal=causal, window=window, return_lse=True)
+    left, right = window if window else (-1, -1)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, Hq, Nq), float("nan"), device="cuda")
+    attention_ws.launch(q, k, v, out, lse, qk_scale=d ** -0.5 * 1.4426950408889634, pos_offset=Nk - Nq,
+                        window_left=left, window_right=0 if causal else right, config=dict(PINGPONG=pingpong))
+    assert_close((out, lse), (ro, rl), REL_L2_BOUND[dtype], f"ws d={d} pingpong={pingpong}")
+
+
+@pytest.mark.gpu_only
+def test_warp_specialized_kernel_strided_and_refusals():
+    """kernel="ws" through launch_attention; "auto" picks it for the BSHD layout (heads interleaved in
+    memory: the 4-D descriptors take the strides); d = 80 takes the portable kernel under "auto" and
+    raises under "ws"."""
+    from tilefuse.kernels.attention import launch_attention
+
+    q, k, v = _qkv(1, 8, 2, 333, 555, 64, "cuda", FP16)
+    out, lse = torch.empty_like(q), torch.empty(1, 8, 333, device="cuda")
+    cfg = launch_attention(q, k, v, out, lse, None, scale=0.125, pos_offset=222, window_left=-1, window_right=0,
+                           input_precision="tf32", interpret=False, kernel="ws")
+    assert cfg.get("WARP_SPECIALIZE"), cfg
+    ro, rl = ref.attention(*_f64(q, k, v), causal=True, return_lse=True)
+    assert_close((out, lse), (ro, rl), REL_L2_BOUND[FP16], "launch_attention kernel='ws'")
+    B, N, H, d = 2, 600, 4, 128
+    x = _rand(3, B, N, H, d, device="cuda", dtype=BF16)
+    q, k, v = (t.transpose(1, 2) for t in x.unbind(0))
+    out = attention(q, k, v, causal=True)
+    assert last_config["config"].get("WARP_SPECIALIZE"), last_config
+    assert_close(out, ref.attention(*_f64(q, k, v), causal=True), REL_L2_BOUND[BF16], "ws BSHD")
+    q80, k80, v80 = _qkv(1, 2, 2, 200, 200, 80, "cuda", BF16)
+    attention(q80, k80, v80)
+    assert not (last_config["config"].kwargs if hasattr(last_config["config"], "kwargs")
+                else last_config["config"]).get("WARP_SPECIALIZE")
+    out80 = torch.empty_like(q80)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        launch_attention(q80, k80, v80, out80, None, None, scale=1.0, pos_offset=0, window_left=-1,
+                         window_right=-1, input_precision="tf32", interpret=False, kernel="ws")

@@ -226,3 +226,17 @@ def test_weight_fold_compiles_for_sm90(gamma, beta):
     facts = compile_sm90("tilefuse.kernels.norm_linear", "weight_fold_kernel", sig, consts,
                          num_warps=nl.FOLD_WARPS, aligned=("w_ptr", "wf_ptr", "K", "stride_wn", "stride_wfn"))
     assert facts["regs"] is not None and facts["spill_store_bytes"] == 0, facts
+
+
+@pytest.mark.parametrize("head_dim,has_left,has_right", [(64, False, False), (128, False, True), (128, True, True)])
+def test_warp_specialized_attention_compiles_to_partitions(head_dim, has_left, has_right):
+    """The Gluon attention kernel is warp-specialized on sm_90a (Triton 3.6's tl code is not): the TTGIR
+    holds the partitions, the producer's warpgroup gives its registers away (setmaxnreg 24) and the
+    consumers take 240, 12 warps run, wgmma takes P from registers, and nothing spills."""
+    from tilefuse.harness.compiler import compile_gluon_sm90
+
+    facts = compile_gluon_sm90("tilefuse.kernels.attention_ws", "sm90_compile_job",
+                               dict(head_dim=head_dim, has_left=has_left, has_right=has_right))
+    assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
+    assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
+    assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts

@@ -63,6 +63,12 @@ def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=(), 
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return _facts(kernel)
+
+
+def _facts(kernel) -> dict:
+    import triton
+
     ptx = kernel.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,15 +79,47 @@ def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=(), 
                               capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", info)]
+    ttgir = kernel.asm["ttgir"]
+    reqntid = re.search(r"\.reqntid (\d+)", ptx)  # a warp-specialized kernel's threads, workers included
     # wgmma's A operand: a shared-memory descriptor (memdesc) or registers (a dot_op layout tensor).
-    a_in_registers = bool(re.search(r"ttng\.warp_group_dot [^\n]*: tensor<[^\n]*dot_op<\{opIdx = 0",
-                                    kernel.asm["ttgir"]))
+    a_in_registers = bool(re.search(r"ttng\.warp_group_dot [^\n]*: tensor<[^\n]*dot_op<\{opIdx = 0", ttgir))
     return {"regs": int(regs.group(1)) if regs else None, "spill_store_bytes": max(spills, default=0),
             "shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "wgmma_a_in_registers": a_in_registers,
-            "atomics": sorted(set(re.findall(r"\batom\.[\w.:]+", ptx)))}
+            "atomics": sorted(set(re.findall(r"\batom\.[\w.:]+", ptx))),
+            # Warp specialization: partitions in the TTGIR, and the register moves between them.
+            "warp_specialized": "ttg.warp_specialize" in ttgir,
+            "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+            "threads": int(reqntid.group(1)) if reqntid else kernel.metadata.num_warps * 32}
+
+
+def compile_gluon_sm90(module: str, job: str, kwargs: dict) -> dict:
+    """Compile a Gluon kernel for sm_90a and return the facts ``compile_sm90`` gives, plus whether it is
+    warp-specialized and its setmaxnreg values. ``module.job(**kwargs)`` returns (kernel, signature,
+    constexprs, options): Gluon signatures name tensor descriptors with their shared layouts, which only
+    the kernel's module knows how to build. Runs in a child process under the interpreter, as above."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        out = subprocess.run([sys.executable, "-m", "tilefuse.harness.compiler", "--gluon",
+                              json.dumps([module, job, kwargs])], env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"compiling {module}.{job} for sm_90a failed:\n{out.stderr[-4000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn, signature, constexprs, options = getattr(importlib.import_module(module), job)(**kwargs)
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                         attrs={})
+    return _facts(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--gluon":
+        module, job, kwargs = json.loads(sys.argv[2])
+        print(json.dumps(compile_gluon_sm90(module, job, kwargs)))
+        sys.exit(0)
     module, kernel, signature, constexprs, num_warps, num_stages, aligned, maxnreg = json.loads(sys.argv[1])
     print(json.dumps(compile_sm90(module, kernel, signature, constexprs, num_warps, num_stages, tuple(aligned),
                                   maxnreg)))

@@ -352,14 +352,28 @@ def descriptors_usable(*tensors) -> bool:
 
 
 def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_right,
-                     input_precision, interpret, use_desc=None):
+                     input_precision, interpret, use_desc=None, kernel="auto"):
     """q/out [B, Hq, Nq, d], k/v [B, Hkv, Nk, d] (any strides); mask None or broadcastable strides
     [B, Hq, Nq, Nk] (0 where broadcast); lse None or contiguous fp32 [B, Hq, Nq].
 
-    window_left / window_right < 0 mean unbounded. Returns the config used.
+    window_left / window_right < 0 mean unbounded. ``kernel``: "auto" runs the warp-specialized Hopper
+    kernel (kernels/attention_ws.py) where it applies and ``use_desc`` is not forced, else this file's
+    kernel; "ws" or "portable" force one ("ws" raises where it cannot run). Returns the config used
+    (``WARP_SPECIALIZE`` set when the warp-specialized kernel ran).
     """
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    if kernel not in ("auto", "ws", "portable"):
+        raise ValueError(f"kernel must be 'auto', 'ws' or 'portable', got {kernel!r}")
+    if kernel != "portable" and not interpret and use_desc is None:
+        from tilefuse.kernels import attention_ws  # imports Gluon: GPU path only
+
+        if attention_ws.usable(q, k, v, out, mask):
+            return attention_ws.launch(q, k, v, out, lse, qk_scale=scale * LOG2E, pos_offset=pos_offset,
+                                       window_left=window_left, window_right=window_right)
+    if kernel == "ws":
+        raise ValueError("the warp-specialized kernel needs sm_90, fp16/bf16, head dim 64 or 128, no mask and "
+                         "TMA-able tensors (16-byte aligned, unit last stride)")
     block_d = max(16, next_pow2(d))
     if use_desc is None:
         # Descriptors on the GPU only (portable pointer path in the interpreter); both paths are tested.

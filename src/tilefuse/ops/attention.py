@@ -7,6 +7,7 @@ bool/additive mask read with its broadcast strides, broadcast batch dims, enable
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -21,6 +22,24 @@ MAX_HEAD_DIM = 256
 # The config of the most recent launch, for the report; ``deterministic`` is recorded for the
 # backward pass (forward is always deterministic: one program owns each output tile).
 last_config = {"config": None, "path": None, "deterministic": False}
+
+# Which forward kernel launch_attention may pick: "auto" (the warp-specialized Hopper kernel where it
+# applies, else the portable one) or "portable". Benchmarks set it through ``forward_kernel`` to measure
+# the portable kernel side by side with the default.
+_kernel_choice = {"kernel": "auto"}
+
+
+@contextlib.contextmanager
+def forward_kernel(kernel: str):
+    """``with forward_kernel("portable"): ...`` runs attention / SDPA calls on that kernel."""
+    if kernel not in ("auto", "portable"):
+        raise ValueError(f"kernel must be 'auto' or 'portable', got {kernel!r}")
+    before = _kernel_choice["kernel"]
+    _kernel_choice["kernel"] = kernel
+    try:
+        yield
+    finally:
+        _kernel_choice["kernel"] = before
 
 
 def _check_qkv_common(q, k, v, q_name="q", k_name="k", v_name="v", *, ndim=None, min_dim=2):
@@ -67,7 +86,7 @@ def _run(q, k, v, mask, scale, pos_offset, left, right, return_lse, path):
 
     cfg = launch_attention(q, k, v, out, lse, mask, scale=scale, pos_offset=pos_offset,
                            window_left=left, window_right=right, input_precision=_precision(q),
-                           interpret=(path == runtime.INTERPRETER))
+                           interpret=(path == runtime.INTERPRETER), kernel=_kernel_choice["kernel"])
     last_config["config"] = cfg
     return out, lse
 

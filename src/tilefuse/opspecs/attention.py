@@ -116,10 +116,18 @@ def _flex_anchor(params):
     return run
 
 
+def _portable(q, k, v, causal, window, scale, return_lse):
+    """tilefuse's portable (non-warp-specialized) kernel, where the default is the Gluon one."""
+    with attention_op.forward_kernel("portable"):
+        return _fused(q, k, v, causal, window, scale, return_lse)
+
+
 def _anchors(params):
     from torch.nn.attention import SDPBackend
 
     anchors = {}
+    if params["dtype"] in (BF16, FP16) and params["d"] in (64, 128):
+        anchors["tilefuse.attention.portable"] = _portable
     if params.get("mode", (False, None))[1] is None:  # SDPA has no sliding window
         anchors["sdpa flash"] = _sdpa_anchor(SDPBackend.FLASH_ATTENTION)
         anchors["sdpa cudnn"] = _sdpa_anchor(SDPBackend.CUDNN_ATTENTION)

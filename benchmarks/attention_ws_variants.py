@@ -1,0 +1,109 @@
+"""Side-by-side timing of the warp-specialized attention kernel's variants (issue: FlashAttention forward).
+
+For each bench shape of the attention registry entry (bf16, d = 64 / 128, full and causal, plus the
+Llama-7B prefill rows): cuDNN SDPA, the FA2 backend, tilefuse's portable Triton kernel (autotuned) and the
+Gluon kernel in each variant (PINGPONG on/off, ring depth, key tile). Every variant's output is checked
+against cuDNN's (rel-L2, fp32) before it is timed, so a race shows up as an error, not as a speed.
+Prints one line per measurement and writes JSON.
+Run on the GPU:  PYTHONPATH=src python3 benchmarks/attention_ws_variants.py OUT.json [--quick]
+"""
+import json
+import sys
+import time
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tilefuse.kernels import attention_ws
+from tilefuse.kernels.attention import LOG2E, launch_attention
+from tilefuse.registry import REGISTRY
+
+VARIANTS = {
+    64: [dict(PINGPONG=True, STAGES=3), dict(PINGPONG=False, STAGES=3), dict(PINGPONG=True, STAGES=2),
+         dict(PINGPONG=True, STAGES=4)],
+    128: [dict(PINGPONG=True, STAGES=2), dict(PINGPONG=False, STAGES=2), dict(PINGPONG=True, STAGES=2, BLOCK_N=64),
+          dict(PINGPONG=True, STAGES=3, BLOCK_N=64)],
+}
+
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_l2(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def main(out_path, quick=False):
+    spec = REGISTRY["attention"]
+    cases = [c for c in spec.bench_cases if c["mode"][1] is None and c["dtype"] == torch.bfloat16]
+    if quick:
+        cases = [c for c in cases if c["shape"][3] == 4096 or c["shape"][0] == 1 and c["shape"][3] == 2048]
+    rows = []
+    t_start = time.time()
+    for case in cases:
+        B, Hq, Hkv, Nq, Nk = case["shape"]
+        d = case["d"]
+        causal = case["mode"][0]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(B, Hq, Nq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(B, Hkv, Nk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(B, Hkv, Nk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        flops = spec.flops(case)
+        gqa = Hq != Hkv
+        row = {"case": dict(shape=case["shape"], d=d, causal=causal), "ms": {}, "rel_l2_vs_cudnn": {}}
+
+        def sdpa(backend):
+            def run():
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                            enable_gqa=gqa)
+            return run
+        ref = sdpa(SDPBackend.CUDNN_ATTENTION)()
+        row["ms"]["sdpa cudnn"] = bench(sdpa(SDPBackend.CUDNN_ATTENTION))
+        if not gqa:
+            row["ms"]["sdpa flash"] = bench(sdpa(SDPBackend.FLASH_ATTENTION))
+        out = torch.empty_like(q)
+        right = 0 if causal else -1
+
+        def portable():
+            launch_attention(q, k, v, out, None, None, scale=d ** -0.5, pos_offset=Nk - Nq, window_left=-1,
+                             window_right=right, input_precision="tf32", interpret=False, kernel="portable")
+        portable()
+        row["rel_l2_vs_cudnn"]["portable"] = rel_l2(out, ref)
+        row["ms"]["portable"] = bench(portable)
+        for variant in VARIANTS[d]:
+            name = "ws " + " ".join(f"{k}={v}" for k, v in variant.items())
+            out = torch.full_like(q, float("nan"))
+
+            def ws():
+                attention_ws.launch(q, k, v, out, None, qk_scale=d ** -0.5 * LOG2E, pos_offset=Nk - Nq,
+                                    window_left=-1, window_right=right, config=variant)
+            try:
+                ws()
+                torch.cuda.synchronize()
+                row["rel_l2_vs_cudnn"][name] = rel_l2(out, ref)
+                row["ms"][name] = bench(ws)
+            except Exception as exc:  # a variant that fails to compile or launch is recorded, not fatal
+                row["ms"][name] = None
+                row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        row["tflops"] = {n: (flops / (ms * 1e-3) / 1e12 if ms else None) for n, ms in row["ms"].items()}
+        rows.append(row)
+        cudnn = row["ms"]["sdpa cudnn"]
+        print(f"B{B} Hq{Hq} Hkv{Hkv} N{Nq} d{d} {'causal' if causal else 'full'}  ({time.time() - t_start:.0f} s)")
+        for n, ms in row["ms"].items():
+            err = row["rel_l2_vs_cudnn"].get(n)
+            print(f"   {n:40s} " + (f"{ms:.4f} ms {row['tflops'][n]:6.1f} TFLOP/s x cudnn {cudnn / ms:.3f}"
+                                    if ms else "failed: " + row["errors"][n])
+                  + (f"  rel-L2 vs cudnn {err:.2e}" if err is not None else ""), flush=True)
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else "attention_ws_variants.json",
+         quick="--quick" in sys.argv)

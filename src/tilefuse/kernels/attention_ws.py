@@ -1,0 +1,387 @@
+"""FlashAttention forward for Hopper with warp specialization (Gluon): a TMA producer warp and two
+consumer warpgroups.
+
+Fuses the same work as kernels/attention.py (QK^T, scale, causal/window masking, online softmax, PV;
+the [Nq, Nk] scores never reach HBM: (Q + K + V + O) bytes instead of + 4*B*Hq*Nq*Nk*s), and adds
+what triton 3.6 cannot produce from tl code on sm_90: one warp only issues the TMA loads of K and V
+into a ring of shared buffers (mbarrier-synchronised), while two 4-warp consumer partitions each own
+64 query rows of the CTA's 128. Each consumer waits on its own wgmma only, so the warp scheduler runs
+one consumer's softmax while the other's QK^T or PV is on the tensor cores (FA3's two-warpgroup
+overlap, left to the scheduler instead of named barriers). Registers move with setmaxnreg: 24 for the
+producer, 240 for each consumer.
+Limits: sm_90, fp16/bf16, head dim 64 or 128, no attn_mask tensor, TMA-able strides; launch_attention
+uses the portable kernel elsewhere and records which path ran.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+HALF_M = gl.constexpr(64)           # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
+BLOCK_M = gl.constexpr(2 * HALF_M)  # query rows per CTA
+CONSUMER_REGS = gl.constexpr(240)
+PRODUCER_REGS = gl.constexpr(24)
+# 12 warps (3 warpgroups) share the SM's 64K registers: 168 per thread at launch, then the
+# producer's warpgroup gives its surplus to the two consumers (2 * 240 + 24 = 3 * 168).
+LAUNCH_MAXNREG = 168
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+@gluon.jit
+def _key_ranges(m0, N_Q, N_K, pos_offset, window_left, window_right, ROWS: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """For query rows [m0, m0 + ROWS): the first tile any row sees (tile-aligned), the end of what any row
+    sees, and the tile-aligned range every row sees whole (empty -> both at the first tile)."""
+    last_row = gl.minimum(m0 + ROWS, N_Q) - 1
+    lo = m0 * 0
+    hi = N_K + m0 * 0
+    full_lo = m0 * 0
+    full_hi = N_K + m0 * 0
+    if HAS_LEFT:
+        lo = gl.maximum(m0 + pos_offset - window_left, 0)
+        full_lo = gl.maximum(last_row + pos_offset - window_left, 0)
+    if HAS_RIGHT:
+        hi = gl.minimum(gl.maximum(last_row + pos_offset + window_right + 1, 0), N_K)
+        full_hi = gl.minimum(gl.maximum(m0 + pos_offset + window_right + 1, 0), N_K)
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    full_start = (full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_end = (full_hi // BLOCK_N) * BLOCK_N
+    no_full = full_end <= full_start
+    full_start = gl.where(no_full, lo_tile, full_start)
+    full_end = gl.where(no_full, lo_tile, full_end)
+    return lo_tile, hi, full_start, full_end
+
+
+@gluon.jit
+def _online_softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right, qk_scale, masked,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+                         s_layout: gl.constexpr):
+    """Scores of one K tile -> (p, alpha, m_new, l_new): the one place the running max and sum change.
+    ``masked`` (constexpr or runtime) applies N_K and the window to this tile's keys."""
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s = s * qk_scale  # log2 domain: scale * log2(e) folded in, so exp is one exp2
+    if masked:
+        key_pos = start + gl.arange(0, BLOCK_N, layout=col_s)
+        visible = (key_pos < N_K)[None, :]
+        if HAS_LEFT:
+            visible = visible & (key_pos[None, :] >= pos_m[:, None] - window_left)
+        if HAS_RIGHT:
+            visible = visible & (key_pos[None, :] <= pos_m[:, None] + window_right)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # A row that has seen no key keeps m = -inf: subtract 0 so exp2 gives 0, not NaN.
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _consume_tiles(acc, m_i, l_i, it, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                   start_n, end_n, pos_m, N_K, window_left, window_right, qk_scale,
+                   MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Plain order: QK^T, wait, softmax, PV, wait, for K/V tiles [start_n, end_n); ``it`` counts ring
+    slots used so far. Overlap comes only from the other consumer."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    for start in range(start_n, end_n, BLOCK_N):
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+        s = warpgroup_mma(q_buf, k_t, gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)  # the K buffer may be refilled
+        p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right,
+                                                  qk_scale, MASKED, HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(q_buf.dtype), p_layout)
+        mbarrier.wait(v_ready.index(slot), phase)
+        acc = warpgroup_mma(p_op, v_bufs.index(slot).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        it += 1
+    return acc, m_i, l_i, it
+
+
+@gluon.jit
+def _consume_pingpong(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                      my_turn, other_turn, lo_tile, hi, full_start, full_end, pos_m, N_K, window_left,
+                      window_right, qk_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, WHICH: gl.constexpr,
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """FA3's schedule for K/V tiles [lo_tile, hi) (at least one): tile j's QK^T and tile j-1's PV are
+    issued together, then tile j's softmax runs while that PV is still on the tensor cores. The two
+    consumers take turns issuing (my_turn / other_turn mbarriers), so one's softmax meets the other's
+    GEMMs instead of both computing exp2 at once."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # Tile 0 (peeled: no PV before it). Consumer 0's first turn is free (a fresh mbarrier's phase 1
+    # counts as complete), consumer 1's waits for consumer 0's first issue.
+    mbarrier.wait(my_turn, 1 - WHICH)
+    mbarrier.wait(k_ready.index(0), 0)
+    k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+    s = warpgroup_mma(q_buf, k_t, gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                      is_async=True)
+    mbarrier.arrive(other_turn, count=1)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    masked = (lo_tile < full_start) | (lo_tile >= full_end)
+    p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i, lo_tile, pos_m, N_K, window_left, window_right,
+                                              qk_scale, masked, HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(q_buf.dtype), p_layout)
+    it = lo_tile * 0
+    for start in range(lo_tile + BLOCK_N, hi, BLOCK_N):
+        prev = it % STAGES
+        prev_phase = (it // STAGES) & 1
+        it += 1
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        mbarrier.wait(my_turn, (it & 1) ^ (1 - WHICH))
+        mbarrier.wait(k_ready.index(slot), phase)
+        k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+        s = warpgroup_mma(q_buf, k_t, gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                          is_async=True)
+        mbarrier.wait(v_ready.index(prev), prev_phase)
+        acc = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        mbarrier.arrive(other_turn, count=1)
+        s = warpgroup_mma_wait(1, deps=(s, ))  # groups retire in order: QK^T done, PV may still run
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        masked = (start < full_start) | (start >= full_end)
+        p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right,
+                                                  qk_scale, masked, HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(q_buf.dtype), p_layout)
+    # The last tile's PV.
+    last = it % STAGES
+    mbarrier.wait(v_ready.index(last), (it // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(last), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              STORE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+              WHICH: gl.constexpr):
+    """Consumer WHICH (0 or 1): query rows m0 + WHICH*HALF_M .. +HALF_M of the CTA's block."""
+    q_desc, k_desc, v_desc, o_desc, lse_ptr = descs
+    q_bufs, k_bufs, v_bufs = bufs
+    q_ready, k_ready, v_ready, k_empty, v_empty, turns = bars
+    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right = params
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    rows0 = m0 + WHICH * HALF_M
+    _, _, full_start, full_end = _key_ranges(rows0, N_Q, N_K, pos_offset, window_left, window_right,
+                                             HALF_M, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    pos_m = rows0 + gl.arange(0, HALF_M, layout=row_s) + pos_offset
+
+    q_buf = q_bufs.index(WHICH).reshape([HALF_M, HEAD_D])
+    mbarrier.wait(q_ready.index(WHICH), 0)
+
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([HALF_M], gl.float32, row_s)
+    acc = gl.zeros([HALF_M, HEAD_D], gl.float32, o_layout)
+    # The CTA walks the union of both consumers' key ranges; this consumer masks the tiles its rows
+    # see only in part (window edges, the causal diagonal, the ragged end) and none of the others.
+    if PINGPONG:
+        acc, m_i, l_i = _consume_pingpong(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                                          turns.index(WHICH), turns.index(1 - WHICH), lo_tile, hi, full_start,
+                                          full_end, pos_m, N_K, window_left, window_right, qk_scale, HAS_LEFT,
+                                          HAS_RIGHT, BLOCK_N, HEAD_D, STAGES, WHICH, s_layout, o_layout, p_layout)
+    else:
+        acc, m_i, l_i = _consume_in_stages(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty,
+                                           v_empty, lo_tile, hi, full_start, full_end, pos_m, N_K, window_left,
+                                           window_right, qk_scale, HAS_LEFT, HAS_RIGHT, BLOCK_N, HEAD_D, STAGES,
+                                           s_layout, o_layout, p_layout)
+    _epilogue(acc, m_i, l_i, q_bufs, o_desc, lse_ptr, b, h, rows0, N_Q, WHICH, HEAD_D, STORE_LSE, s_layout, o_layout)
+
+
+@gluon.jit
+def _consume_in_stages(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, lo_tile, hi,
+                       full_start, full_end, pos_m, N_K, window_left, window_right, qk_scale,
+                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+                       HEAD_D: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                       o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Masked lead-in, unmasked middle, masked tail: only tiles cut by an edge pay for the mask."""
+    it = lo_tile * 0
+    acc, m_i, l_i, it = _consume_tiles(acc, m_i, l_i, it, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty,
+                                       v_empty, lo_tile, full_start, pos_m, N_K, window_left, window_right,
+                                       qk_scale, True, HAS_LEFT, HAS_RIGHT, BLOCK_N, HEAD_D, STAGES,
+                                       s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it = _consume_tiles(acc, m_i, l_i, it, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty,
+                                       v_empty, full_start, full_end, pos_m, N_K, window_left, window_right,
+                                       qk_scale, False, HAS_LEFT, HAS_RIGHT, BLOCK_N, HEAD_D, STAGES,
+                                       s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it = _consume_tiles(acc, m_i, l_i, it, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty,
+                                       v_empty, full_end, hi, pos_m, N_K, window_left, window_right,
+                                       qk_scale, True, HAS_LEFT, HAS_RIGHT, BLOCK_N, HEAD_D, STAGES,
+                                       s_layout, o_layout, p_layout)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, q_bufs, o_desc, lse_ptr, b, h, rows0, N_Q, WHICH: gl.constexpr, HEAD_D: gl.constexpr,
+              STORE_LSE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Rows that saw no key give 0 and lse = -inf. The consumer's Q buffer (no longer read: every wgmma
+    on it has been waited for) stages the output for one TMA store, which clips rows past N_Q."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_buf = q_bufs.index(WHICH).reshape([HALF_M, HEAD_D])
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    if STORE_LSE:
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+        offs = rows0 + gl.arange(0, HALF_M, layout=row_s)
+        pid_bh = gl.program_id(1)
+        gl.store(lse_ptr + pid_bh.to(gl.int64) * N_Q + offs, lse, mask=offs < N_Q)
+    q_buf.store(out.to(q_buf.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, rows0, 0], q_bufs.index(WHICH))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _producer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              STORE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+              WHICH: gl.constexpr):
+    """One warp: Q for both consumers, then every K/V tile of the CTA's key range through the ring."""
+    q_desc, k_desc, v_desc, o_desc, lse_ptr = descs
+    q_bufs, k_bufs, v_bufs = bufs
+    q_ready, k_ready, v_ready, k_empty, v_empty, turns = bars
+    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right = params
+    h_kv = h // (q_desc.shape[1] // k_desc.shape[1])
+    for c in gl.static_range(2):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + c * HALF_M, 0], q_ready.index(c), q_bufs.index(c))
+    it = lo_tile * 0
+    for start in range(lo_tile, hi, BLOCK_N):
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        # Empty barriers start out complete for phase 1 (nothing to wait for on the first lap).
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, start, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, start, 0], v_ready.index(slot), v_bufs.index(slot))
+        it += 1
+
+
+@gluon.jit(do_not_specialize=["N_Q", "N_K", "pos_offset", "window_left", "window_right"])
+def attention_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N_Q, N_K, qk_scale, pos_offset,
+                            window_left, window_right,
+                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STORE_LSE: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    # Query blocks in reverse order (the causal-heavy ones first); axis 0 fastest so CTAs in flight
+    # share a KV head in L2.
+    H_Q = q_desc.shape[1]
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    m0 = pid_m * BLOCK_M
+    lo_tile, hi, _, _ = _key_ranges(m0, N_Q, N_K, pos_offset, window_left, window_right, BLOCK_M,
+                                    HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    # At least one tile, also where no row sees a key: it is masked out whole (its keys lie past what
+    # any row sees), and the pipelines never run empty.
+    hi = gl.maximum(hi, lo_tile + 1)
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(turns.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release each buffer
+        mbarrier.init(v_empty.index(i), count=2)
+
+    descs = (q_desc, k_desc, v_desc, o_desc, lse_ptr)
+    bufs = (q_bufs, k_bufs, v_bufs)
+    bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turns)
+    params = (b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right)
+    # Constexprs go as separate arguments (inside a tuple they would become runtime values).
+    gl.warp_specialize([
+        (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, STORE_LSE, BLOCK_N, STAGES, PINGPONG, 0)),
+        (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, STORE_LSE, BLOCK_N, STAGES, PINGPONG, 1)),
+        (_producer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, STORE_LSE, BLOCK_N, STAGES, PINGPONG, 0)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---- host side ------------------------------------------------------------------------------------
+def config_for(head_dim: int) -> dict:
+    """BLOCK_N and ring depth: 128-key tiles; d = 64 keeps 3 K/V stages in 112 KB, d = 128 two in 160 KB.
+    PINGPONG: the consumers' FA3 schedule (_consume_pingpong) rather than the plain one."""
+    return dict(BLOCK_N=128, STAGES=3 if head_dim <= 64 else 2, PINGPONG=True)
+
+
+def usable(q, k, v, out, mask) -> bool:
+    """The cases this kernel takes: everything else runs the portable kernel."""
+    from tilefuse import runtime
+    from tilefuse.kernels.attention import descriptors_usable
+    return (mask is None and q.is_cuda and runtime.device_facts(q.device)[0] == 9
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in SUPPORTED_HEAD_DIMS
+            and descriptors_usable(q, k, v, out))
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    block = [1, 1, int(rows), t.shape[-1]]
+    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+
+
+def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right, config=None) -> dict:
+    """q/out [B, Hq, Nq, d] and k/v [B, Hkv, Nk, d], TMA-able (``usable``); lse None or fp32 [B, Hq, Nq].
+    ``config`` overrides entries of ``config_for(d)`` (benchmarks compare variants with it)."""
+    B, Hq, Nq, d = q.shape
+    cfg = {**config_for(d), **(config or {})}
+    grid = (triton.cdiv(Nq, BLOCK_M.value), B * Hq)
+    attention_fwd_ws_kernel[grid](
+        _descriptor(q, HALF_M), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
+        _descriptor(out, HALF_M), lse if lse is not None else out, Nq, k.shape[2], qk_scale, pos_offset,
+        max(window_left, 0), max(window_right, 0),
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, STORE_LSE=lse is not None,
+        num_warps=4, maxnreg=LAUNCH_MAXNREG, **cfg)
+    return dict(BLOCK_M=BLOCK_M.value, **cfg, WARP_SPECIALIZE=True)
+
+
+def sm90_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_left: bool = False,
+                     has_right: bool = False, store_lse: bool = True, config: dict | None = None):
+    """(kernel, signature, constexprs, options) for harness.compiler.compile_gluon_sm90: the descriptors'
+    signature strings are built from a CPU tensor, as a launch would specialize them."""
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
+    cfg = {**config_for(head_dim), **(config or {})}
+    q_sig, kv_sig = mangle_type(_descriptor(t, HALF_M)), mangle_type(_descriptor(t, cfg["BLOCK_N"]))
+    signature = dict(q_desc=q_sig, k_desc=kv_sig, v_desc=kv_sig, o_desc=q_sig, lse_ptr="*fp32", N_Q="i32",
+                     N_K="i32", qk_scale="fp32", pos_offset="i32", window_left="i32", window_right="i32")
+    constexprs = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse, **cfg)
+    return attention_fwd_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
