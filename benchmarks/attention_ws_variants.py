@@ -2,7 +2,7 @@
 
 For each bench shape of the attention registry entry (bf16, d = 64 / 128, full and causal, plus the
 Llama-7B prefill rows): cuDNN SDPA, the FA2 backend, tilefuse's portable Triton kernel (autotuned) and the
-Gluon kernel in each variant (PINGPONG on/off, ring depth, key tile). Every variant's output is checked
+Gluon kernel in each variant of VARIANTS, with the CPU time to issue one call. Every variant's output is checked
 against cuDNN's (rel-L2, fp32) before it is timed, so a race shows up as an error, not as a speed.
 Prints one line per measurement and writes JSON.
 Run on the GPU:  PYTHONPATH=src python3 benchmarks/attention_ws_variants.py OUT.json [--quick]
@@ -19,12 +19,24 @@ from tilefuse.kernels import attention_ws
 from tilefuse.kernels.attention import LOG2E, launch_attention
 from tilefuse.registry import REGISTRY
 
+# Session 6, call 3 compared PINGPONG, STAGES and BLOCK_N (ws_variants_s6.log); what is left to compare is
+# each head dim's default against its other schedule and against host-made descriptors.
 VARIANTS = {
-    64: [dict(PINGPONG=True, STAGES=3), dict(PINGPONG=False, STAGES=3), dict(PINGPONG=True, STAGES=2),
-         dict(PINGPONG=True, STAGES=4)],
-    128: [dict(PINGPONG=True, STAGES=2), dict(PINGPONG=False, STAGES=2), dict(PINGPONG=True, STAGES=2, BLOCK_N=64),
-          dict(PINGPONG=True, STAGES=3, BLOCK_N=64)],
+    64: [dict(), dict(PINGPONG=True), dict(DEVICE_DESC=False)],
+    128: [dict(), dict(PINGPONG=False), dict(DEVICE_DESC=False)],
 }
+
+
+def issue_us(fn, calls=200):
+    """CPU microseconds to issue one call (no synchronisation inside the loop)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
 
 
 def bench(fn):
@@ -76,8 +88,9 @@ def main(out_path, quick=False):
         portable()
         row["rel_l2_vs_cudnn"]["portable"] = rel_l2(out, ref)
         row["ms"]["portable"] = bench(portable)
+        row.setdefault("issue_us", {})["portable"] = issue_us(portable)
         for variant in VARIANTS[d]:
-            name = "ws " + " ".join(f"{k}={v}" for k, v in variant.items())
+            name = "ws " + (" ".join(f"{k}={v}" for k, v in variant.items()) or "default")
             out = torch.full_like(q, float("nan"))
 
             def ws():
@@ -88,6 +101,7 @@ def main(out_path, quick=False):
                 torch.cuda.synchronize()
                 row["rel_l2_vs_cudnn"][name] = rel_l2(out, ref)
                 row["ms"][name] = bench(ws)
+                row.setdefault("issue_us", {})[name] = issue_us(ws)
             except Exception as exc:  # a variant that fails to compile or launch is recorded, not fatal
                 row["ms"][name] = None
                 row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -99,7 +113,8 @@ def main(out_path, quick=False):
             err = row["rel_l2_vs_cudnn"].get(n)
             print(f"   {n:40s} " + (f"{ms:.4f} ms {row['tflops'][n]:6.1f} TFLOP/s x cudnn {cudnn / ms:.3f}"
                                     if ms else "failed: " + row["errors"][n])
-                  + (f"  rel-L2 vs cudnn {err:.2e}" if err is not None else ""), flush=True)
+                  + (f"  rel-L2 vs cudnn {err:.2e}" if err is not None else "")
+                  + (f"  issue {row['issue_us'][n]:.0f} us" if n in row.get("issue_us", {}) else ""), flush=True)
         with open(out_path, "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import tilefuse  # noqa: F401  (public surface imports)
 from helpers import ON_GPU, assert_close
-from tilefuse.ops.attention import attention, last_config, scaled_dot_product_attention
+from tilefuse.ops.attention import attention, forward_kernel, last_config, scaled_dot_product_attention
 from tilefuse.reference import attention as ref
 from tilefuse.registry import REL_L2_BOUND
 
@@ -251,13 +251,14 @@ def test_register_capped_tiles_match_reference(d, causal, monkeypatch):
     monkeypatch.setattr(tuner, "pinned", True)
     monkeypatch.setattr(tuner, "configs", capped)
     monkeypatch.setattr(tuner, "cache", {})
-    out = attention(q, k, v, causal=causal)
+    with forward_kernel("portable"):  # d = 64 / 128 bf16 would take the warp-specialized kernel
+        out = attention(q, k, v, causal=causal)
     assert capped and last_config["config"].maxnreg == capped[0].maxnreg
     assert_close(out, ref.attention(*_f64(q, k, v), causal=causal), REL_L2_BOUND[BF16], f"capped d={d}")
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("pingpong", [True, False])
+@pytest.mark.parametrize("pingpong,device_desc", [(True, True), (False, True), (True, False), (False, False)])
 @pytest.mark.parametrize("dtype", [FP16, BF16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,causal,window", [
@@ -269,9 +270,11 @@ def test_register_capped_tiles_match_reference(d, causal, monkeypatch):
     (1, 4, 4, 2048, 2048, True, (1023, 0)),  # sliding window: tiles before the window are skipped
     (1, 2, 2, 64, 4096, False, (-1, 7)),     # right-only window
 ])
-def test_warp_specialized_kernel_matches_reference(pingpong, dtype, d, B, Hq, Hkv, Nq, Nk, causal, window):
-    """The Gluon kernel (a TMA producer warp, two consumer warpgroups), in both consumer schedules,
-    against the float64 reference, output and lse, on shapes that cut every tile boundary."""
+def test_warp_specialized_kernel_matches_reference(pingpong, device_desc, dtype, d, B, Hq, Hkv, Nq, Nk, causal,
+                                                   window):
+    """The Gluon kernel (a TMA producer warp, two consumer warpgroups), in both consumer schedules and with
+    descriptors made on the host or the device, against the float64 reference, output and lse, on
+    shapes that cut every tile boundary."""
     from tilefuse.kernels import attention_ws
 
     q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, d, "cuda", dtype)
@@ -280,8 +283,9 @@ def test_warp_specialized_kernel_matches_reference(pingpong, dtype, d, B, Hq, Hk
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, Nq), float("nan"), device="cuda")
     attention_ws.launch(q, k, v, out, lse, qk_scale=d ** -0.5 * 1.4426950408889634, pos_offset=Nk - Nq,
-                        window_left=left, window_right=0 if causal else right, config=dict(PINGPONG=pingpong))
-    assert_close((out, lse), (ro, rl), REL_L2_BOUND[dtype], f"ws d={d} pingpong={pingpong}")
+                        window_left=left, window_right=0 if causal else right,
+                        config=dict(PINGPONG=pingpong, DEVICE_DESC=device_desc))
+    assert_close((out, lse), (ro, rl), REL_L2_BOUND[dtype], f"ws d={d} pingpong={pingpong} device_desc={device_desc}")
 
 
 @pytest.mark.gpu_only

@@ -228,15 +228,17 @@ def test_weight_fold_compiles_for_sm90(gamma, beta):
     assert facts["regs"] is not None and facts["spill_store_bytes"] == 0, facts
 
 
-@pytest.mark.parametrize("head_dim,has_left,has_right", [(64, False, False), (128, False, True), (128, True, True)])
-def test_warp_specialized_attention_compiles_to_partitions(head_dim, has_left, has_right):
+@pytest.mark.parametrize("head_dim,has_left,has_right,device_desc", [(64, False, False, True), (128, False, True, True),
+                                                                     (128, True, True, False)])
+def test_warp_specialized_attention_compiles_to_partitions(head_dim, has_left, has_right, device_desc):
     """The Gluon attention kernel is warp-specialized on sm_90a (Triton 3.6's tl code is not): the TTGIR
     holds the partitions, the producer's warpgroup gives its registers away (setmaxnreg 24) and the
     consumers take 240, 12 warps run, wgmma takes P from registers, and nothing spills."""
     from tilefuse.harness.compiler import compile_gluon_sm90
 
     facts = compile_gluon_sm90("tilefuse.kernels.attention_ws", "sm90_compile_job",
-                               dict(head_dim=head_dim, has_left=has_left, has_right=has_right))
+                               dict(head_dim=head_dim, has_left=has_left, has_right=has_right,
+                                    config=dict(DEVICE_DESC=device_desc)))
     assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts

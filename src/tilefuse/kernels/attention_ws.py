@@ -14,6 +14,8 @@ uses the portable kernel elsewhere and records which path ran.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -21,6 +23,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tilefuse.kernels.tiling import ensure_descriptor_allocator
 
 HALF_M = gl.constexpr(64)           # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 BLOCK_M = gl.constexpr(2 * HALF_M)  # query rows per CTA
@@ -177,7 +181,7 @@ def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
     q_desc, k_desc, v_desc, o_desc, lse_ptr = descs
     q_bufs, k_bufs, v_bufs = bufs
     q_ready, k_ready, v_ready, k_empty, v_empty, turns = bars
-    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right = params
+    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, group = params
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -266,8 +270,8 @@ def _producer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
     q_desc, k_desc, v_desc, o_desc, lse_ptr = descs
     q_bufs, k_bufs, v_bufs = bufs
     q_ready, k_ready, v_ready, k_empty, v_empty, turns = bars
-    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right = params
-    h_kv = h // (q_desc.shape[1] // k_desc.shape[1])
+    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, group = params
+    h_kv = h // group  # GQA: query head h reads KV head h // (Hq / Hkv), in place
     for c in gl.static_range(2):
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + c * HALF_M, 0], q_ready.index(c), q_bufs.index(c))
@@ -285,14 +289,37 @@ def _producer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
         it += 1
 
 
-@gluon.jit(do_not_specialize=["N_Q", "N_K", "pos_offset", "window_left", "window_right"])
-def attention_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N_Q, N_K, qk_scale, pos_offset,
-                            window_left, window_right,
+# Sizes and positions are never specialised to the constant 1 (one compiled kernel per flag set).
+@gluon.jit(do_not_specialize=["B", "H_Q", "H_KV", "N_Q", "N_K", "pos_offset", "window_left", "window_right"])
+def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N_Q, N_K,
+                            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                            stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+                            qk_scale, pos_offset, window_left, window_right, HEAD_D: gl.constexpr,
                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STORE_LSE: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                            DEVICE_DESC: gl.constexpr):
+    # *_src: TMA descriptors made on the host, or (DEVICE_DESC) plain pointers whose descriptors are made
+    # here from the sizes and strides: a host descriptor costs Python and a driver call to encode on
+    # every launch, four per call.
+    if DEVICE_DESC:
+        elem: gl.constexpr = q_src.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, HALF_M, HEAD_D], elem)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_D], elem)
+        q_desc = tma.make_tensor_descriptor(q_src, [B, H_Q, N_Q, HEAD_D], [stride_qb, stride_qh, stride_qm, 1],
+                                            [1, 1, HALF_M, HEAD_D], q_layout)
+        o_desc = tma.make_tensor_descriptor(o_src, [B, H_Q, N_Q, HEAD_D], [stride_ob, stride_oh, stride_om, 1],
+                                            [1, 1, HALF_M, HEAD_D], q_layout)
+        k_desc = tma.make_tensor_descriptor(k_src, [B, H_KV, N_K, HEAD_D], [stride_kb, stride_kh, stride_kn, 1],
+                                            [1, 1, BLOCK_N, HEAD_D], kv_layout)
+        v_desc = tma.make_tensor_descriptor(v_src, [B, H_KV, N_K, HEAD_D], [stride_vb, stride_vh, stride_vn, 1],
+                                            [1, 1, BLOCK_N, HEAD_D], kv_layout)
+    else:
+        q_desc = q_src
+        k_desc = k_src
+        v_desc = v_src
+        o_desc = o_src
     # Query blocks in reverse order (the causal-heavy ones first); axis 0 fastest so CTAs in flight
     # share a KV head in L2.
-    H_Q = q_desc.shape[1]
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // H_Q
@@ -326,7 +353,7 @@ def attention_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N_Q, N_K, q
     descs = (q_desc, k_desc, v_desc, o_desc, lse_ptr)
     bufs = (q_bufs, k_bufs, v_bufs)
     bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turns)
-    params = (b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right)
+    params = (b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, H_Q // H_KV)
     # Constexprs go as separate arguments (inside a tuple they would become runtime values).
     gl.warp_specialize([
         (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, STORE_LSE, BLOCK_N, STAGES, PINGPONG, 0)),
@@ -337,9 +364,12 @@ def attention_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N_Q, N_K, q
 
 # ---- host side ------------------------------------------------------------------------------------
 def config_for(head_dim: int) -> dict:
-    """BLOCK_N and ring depth: 128-key tiles; d = 64 keeps 3 K/V stages in 112 KB, d = 128 two in 160 KB.
-    PINGPONG: the consumers' FA3 schedule (_consume_pingpong) rather than the plain one."""
-    return dict(BLOCK_N=128, STAGES=3 if head_dim <= 64 else 2, PINGPONG=True)
+    """128-key tiles; d = 64 keeps 3 K/V stages in 115 KB, d = 128 two in 164 KB. PINGPONG: the consumers'
+    FA3 schedule (_consume_pingpong) or the plain one, by head dim as measured side by side on the H200
+    (benchmarks/results/h200/2026-11-29/ws_variants_s6.log): ping-pong won the six d = 128 bench rows by
+    5-8% and lost the six d = 64 rows by 1-7% (the Llama prefill rows were host-bound there).
+    DEVICE_DESC: descriptors made in the kernel, not on the host (see the kernel)."""
+    return dict(BLOCK_N=128, STAGES=3 if head_dim <= 64 else 2, PINGPONG=head_dim > 64, DEVICE_DESC=True)
 
 
 def usable(q, k, v, out, mask) -> bool:
@@ -351,10 +381,16 @@ def usable(q, k, v, out, mask) -> bool:
             and descriptors_usable(q, k, v, out))
 
 
+@functools.lru_cache(maxsize=None)
+def _tile_layout(rows: int, head_dim: int, bf16: bool):
+    """The shared layout of a [1, 1, rows, head_dim] TMA tile, cached: building one costs ~10 us of Python
+    (a constexpr_function call), and each launch needs four descriptors."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    block = [1, 1, int(rows), t.shape[-1]]
-    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+    rows, d = int(rows), t.shape[-1]
+    return TensorDescriptor(t, t.shape, t.stride(), [1, 1, rows, d], _tile_layout(rows, d, t.dtype == torch.bfloat16))
 
 
 def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right, config=None) -> dict:
@@ -362,11 +398,17 @@ def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right
     ``config`` overrides entries of ``config_for(d)`` (benchmarks compare variants with it)."""
     B, Hq, Nq, d = q.shape
     cfg = {**config_for(d), **(config or {})}
+    if cfg["DEVICE_DESC"]:
+        ensure_descriptor_allocator()
+        srcs = (q, k, v, out)
+    else:
+        srcs = (_descriptor(q, HALF_M), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
+                _descriptor(out, HALF_M))
     grid = (triton.cdiv(Nq, BLOCK_M.value), B * Hq)
     attention_fwd_ws_kernel[grid](
-        _descriptor(q, HALF_M), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
-        _descriptor(out, HALF_M), lse if lse is not None else out, Nq, k.shape[2], qk_scale, pos_offset,
-        max(window_left, 0), max(window_right, 0),
+        *srcs, lse if lse is not None else out, B, Hq, k.shape[1], Nq, k.shape[2],
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        qk_scale, pos_offset, max(window_left, 0), max(window_right, 0), HEAD_D=d,
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, STORE_LSE=lse is not None,
         num_warps=4, maxnreg=LAUNCH_MAXNREG, **cfg)
     return dict(BLOCK_M=BLOCK_M.value, **cfg, WARP_SPECIALIZE=True)
@@ -374,14 +416,18 @@ def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right
 
 def sm90_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_left: bool = False,
                      has_right: bool = False, store_lse: bool = True, config: dict | None = None):
-    """(kernel, signature, constexprs, options) for harness.compiler.compile_gluon_sm90: the descriptors'
+    """(kernel, signature, constexprs, options) for harness.compiler.compile_gluon_sm90: host descriptors'
     signature strings are built from a CPU tensor, as a launch would specialize them."""
     from triton.runtime.jit import mangle_type
 
-    t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
+    fn = attention_fwd_ws_kernel
     cfg = {**config_for(head_dim), **(config or {})}
-    q_sig, kv_sig = mangle_type(_descriptor(t, HALF_M)), mangle_type(_descriptor(t, cfg["BLOCK_N"]))
-    signature = dict(q_desc=q_sig, k_desc=kv_sig, v_desc=kv_sig, o_desc=q_sig, lse_ptr="*fp32", N_Q="i32",
-                     N_K="i32", qk_scale="fp32", pos_offset="i32", window_left="i32", window_right="i32")
-    constexprs = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse, **cfg)
-    return attention_fwd_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
+    constexprs = dict(HEAD_D=head_dim, HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse, **cfg)
+    signature = {name: "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names if name not in constexprs}
+    t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
+    if cfg["DEVICE_DESC"]:
+        q_sig = kv_sig = mangle_type(t)
+    else:
+        q_sig, kv_sig = mangle_type(_descriptor(t, HALF_M)), mangle_type(_descriptor(t, cfg["BLOCK_N"]))
+    signature.update(q_src=q_sig, o_src=q_sig, k_src=kv_sig, v_src=kv_sig, lse_ptr="*fp32")
+    return fn, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
