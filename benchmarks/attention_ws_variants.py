@@ -19,11 +19,12 @@ from tilefuse.kernels import attention_ws
 from tilefuse.kernels.attention import LOG2E, launch_attention
 from tilefuse.registry import REGISTRY
 
-# Session 6, call 3 compared PINGPONG, STAGES and BLOCK_N (ws_variants_s6.log); what is left to compare is
-# each head dim's default against its other schedule and against host-made descriptors.
+# Session 6, call 3 compared PINGPONG, STAGES and BLOCK_N (ws_variants_s6.log), call 6 host against device
+# descriptors (ws_variants_s6c6.log). Each head dim's default (DEVICE_DESC then chosen per launch) against its
+# other schedule and both descriptor placements forced:
 VARIANTS = {
-    64: [dict(), dict(PINGPONG=True), dict(DEVICE_DESC=False)],
-    128: [dict(), dict(PINGPONG=False), dict(DEVICE_DESC=False)],
+    64: [dict(), dict(PINGPONG=True), dict(DEVICE_DESC=True), dict(DEVICE_DESC=False)],
+    128: [dict(), dict(PINGPONG=False), dict(DEVICE_DESC=True), dict(DEVICE_DESC=False)],
 }
 
 

@@ -367,10 +367,17 @@ def config_for(head_dim: int) -> dict:
     """128-key tiles; d = 64 keeps 3 K/V stages in 115 KB, d = 128 two in 164 KB. PINGPONG: the consumers'
     FA3 schedule (_consume_pingpong) or the plain one, by head dim as measured side by side on the H200
     (benchmarks/results/h200/2026-11-29/ws_variants_s6.log): ping-pong won the six d = 128 bench rows by
-    5-8% and lost the six d = 64 rows by 1-7% (the Llama prefill rows were host-bound there).
-    DEVICE_DESC: descriptors made in the kernel, not on the host (see the kernel)."""
-    return dict(BLOCK_N=128, STAGES=3 if head_dim <= 64 else 2, PINGPONG=head_dim > 64, DEVICE_DESC=True)
+    5-8% and lost the six d = 64 rows by 1-7%. DEVICE_DESC (descriptors made in the kernel) is chosen per
+    launch by ``launch``."""
+    return dict(BLOCK_N=128, STAGES=3 if head_dim <= 64 else 2, PINGPONG=head_dim > 64)
 
+
+# Descriptors made on the device save ~60 us of host time per call (four host descriptors and their
+# CUtensorMap encodes) but cost every CTA their creation before its first load: on the H200 that made
+# the kernels with >= 2048 CTAs 6-18% slower (ws_variants_s6c6.log) and the N = 1k rows (4096 CTAs)
+# up to 45% slower, while the Llama prefill (512 CTAs, 0.1 ms) ran 10-28% faster, its time being the
+# host's. So launches of at most this many waves of CTAs (132 SMs: 528 CTAs) make them on the device.
+DEVICE_DESC_MAX_WAVES = 4
 
 def usable(q, k, v, out, mask) -> bool:
     """The cases this kernel takes: everything else runs the portable kernel."""
@@ -396,15 +403,18 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right, config=None) -> dict:
     """q/out [B, Hq, Nq, d] and k/v [B, Hkv, Nk, d], TMA-able (``usable``); lse None or fp32 [B, Hq, Nq].
     ``config`` overrides entries of ``config_for(d)`` (benchmarks compare variants with it)."""
+    from tilefuse import runtime
+
     B, Hq, Nq, d = q.shape
-    cfg = {**config_for(d), **(config or {})}
+    grid = (triton.cdiv(Nq, BLOCK_M.value), B * Hq)
+    few_ctas = grid[0] * grid[1] <= DEVICE_DESC_MAX_WAVES * runtime.device_facts(q.device)[1]
+    cfg = {**config_for(d), "DEVICE_DESC": few_ctas, **(config or {})}
     if cfg["DEVICE_DESC"]:
         ensure_descriptor_allocator()
         srcs = (q, k, v, out)
     else:
         srcs = (_descriptor(q, HALF_M), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
                 _descriptor(out, HALF_M))
-    grid = (triton.cdiv(Nq, BLOCK_M.value), B * Hq)
     attention_fwd_ws_kernel[grid](
         *srcs, lse if lse is not None else out, B, Hq, k.shape[1], Nq, k.shape[2],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
@@ -421,7 +431,7 @@ def sm90_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_left: boo
     from triton.runtime.jit import mangle_type
 
     fn = attention_fwd_ws_kernel
-    cfg = {**config_for(head_dim), **(config or {})}
+    cfg = {**config_for(head_dim), "DEVICE_DESC": True, **(config or {})}
     constexprs = dict(HEAD_D=head_dim, HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse, **cfg)
     signature = {name: "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names if name not in constexprs}
     t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
