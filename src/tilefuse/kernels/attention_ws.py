@@ -373,10 +373,11 @@ def config_for(head_dim: int) -> dict:
 
 
 # Descriptors made on the device save ~60 us of host time per call (four host descriptors and their
-# CUtensorMap encodes) but cost every CTA their creation before its first load: on the H200 that made
-# the kernels with >= 2048 CTAs 6-18% slower (ws_variants_s6c6.log) and the N = 1k rows (4096 CTAs)
-# up to 45% slower, while the Llama prefill (512 CTAs, 0.1 ms) ran 10-28% faster, its time being the
-# host's. So launches of at most this many waves of CTAs (132 SMs: 528 CTAs) make them on the device.
+# CUtensorMap encodes) but cost every CTA their creation before its first load. On the H200, kernels of
+# 2048 CTAs ran 6-18% slower with them (ws_variants_s6c6.log, same run), and the N = 1k bench rows (2048
+# and 4096 CTAs) 20-47% slower in GPU-only time (report_attention_ws_s6c6 against report_attention_ws_s6),
+# while the Llama prefill (512 CTAs, 0.1 ms) ran 11-28% faster: its time was the host's. So launches of at
+# most this many waves of CTAs (132 SMs: 528 CTAs) make them on the device.
 DEVICE_DESC_MAX_WAVES = 4
 
 def usable(q, k, v, out, mask) -> bool:
