@@ -3,14 +3,14 @@ consumer warpgroups.
 
 Fuses the same work as kernels/attention.py (QK^T, scale, causal/window masking, online softmax, PV;
 the [Nq, Nk] scores never reach HBM: (Q + K + V + O) bytes instead of + 4*B*Hq*Nq*Nk*s), and adds
-what triton 3.6 cannot produce from tl code on sm_90: one warp only issues the TMA loads of K and V
-into a ring of shared buffers (mbarrier-synchronised), while two 4-warp consumer partitions each own
-64 query rows of the CTA's 128. Each consumer waits on its own wgmma only, so the warp scheduler runs
-one consumer's softmax while the other's QK^T or PV is on the tensor cores (FA3's two-warpgroup
-overlap, left to the scheduler instead of named barriers). Registers move with setmaxnreg: 24 for the
-producer, 240 for each consumer.
+what triton 3.6 cannot produce from tl code on sm_90: one warp only issues the TMA loads of Q, K and V
+into rings of shared buffers (mbarrier-synchronised), while two 4-warp consumer partitions each own
+64 query rows of the CTA's 128. At d = 128 the consumers follow FA3's ping-pong schedule: they take turns
+issuing their GEMMs, and each runs a tile's softmax while its previous PV is still on the tensor cores.
+At d = 64 they run the plain order and the warp scheduler interleaves them. Registers move with
+setmaxnreg: 24 for the producer's warpgroup, 240 for each consumer.
 Limits: sm_90, fp16/bf16, head dim 64 or 128, no attn_mask tensor, TMA-able strides; launch_attention
-uses the portable kernel elsewhere and records which path ran.
+uses the portable kernel elsewhere and the report's config column says which ran ("ws" for this one).
 """
 from __future__ import annotations
 
