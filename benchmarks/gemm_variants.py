@@ -1,7 +1,8 @@
 """Side-by-side timing of GEMM+GELU kernel variants on the GPU (issue: Hopper GEMM epilogues).
 
 For each shape: cuBLAS linear alone, eager linear+gelu, cuBLASLt's GELU epilogue, the portable
-autotuned kernel and every pinned TMA config (with and without warp specialization). For each compiled
+autotuned kernel, every pinned TMA config (with and without tl's warp_specialize, a no-op on sm_90), and
+the warp-specialized Gluon kernel (kernels/gemm_ws.py) in three configs. For each compiled
 TMA variant it records registers, spills and whether the PTX uses wgmma. Prints a table and writes
 JSON to the path given (default gemm_variants.json).
 Run on the GPU:  PYTHONPATH=src python3 benchmarks/gemm_variants.py OUT.json [bf16|fp16]
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from tilefuse import tuning
-from tilefuse.kernels import gemm_tma
+from tilefuse.kernels import gemm_tma, gemm_ws
 from tilefuse.opspecs.linear import BENCH_SHAPES
 import tilefuse
 
@@ -61,7 +62,24 @@ def main(out_path="gemm_variants.json", dtype_name="bf16"):
                 row["ms"][name] = bench(run)
             except Exception as exc:  # noqa: BLE001 - recorded per variant
                 row["ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        # The warp-specialized Gluon kernel (kernels/gemm_ws.py): two consumer warpgroups in ping-pong.
+        for ws_cfg in (dict(), dict(GROUP_M=16), dict(STAGES=3)):
+            name = "gluon ws " + ("_".join(f"{k}{val}" for k, val in ws_cfg.items()) or "default")
+            try:
+                y = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+
+                def run_ws(c=ws_cfg, y=y):
+                    gemm_ws.launch(x, w, b, y, "gelu", config=c)
+                run_ws()
+                torch.cuda.synchronize()
+                row["rel_l2"][name] = ((y.float() - ref).norm() / ref.norm()).item()
+                row["ms"][name] = bench(run_ws)
+            except Exception as exc:  # noqa: BLE001 - recorded per variant
+                row["ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
         rows.append(row)
+        ws_rows = {k: v for k, v in row["ms"].items() if k.startswith("gluon")}
+        print(f"   gluon ws: " + ", ".join(f"{k} {v:.4f} ms" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in ws_rows.items()), flush=True)
         best = min((v, k) for k, v in row["ms"].items() if isinstance(v, float) and k.startswith("tma"))
         print(f"M{M} K{K} N{N} {dtype_name}: cublas {row['ms']['cublas linear only']:.4f} "
               f"lt-epi {row['ms']['cublaslt epilogue']:.4f} eager {row['ms']['eager linear+gelu']:.4f} "

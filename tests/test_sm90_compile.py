@@ -242,3 +242,15 @@ def test_warp_specialized_attention_compiles_to_partitions(head_dim, has_left, h
     assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "none"])
+def test_warp_specialized_gemm_compiles_without_spills(activation):
+    """The Gluon ping-pong GEMM: partitions, setmaxnreg 24/240, wgmma from shared memory on both operands,
+    and no spills in any epilogue (at 232/40 registers the erf GELU spilled 20 bytes)."""
+    from tilefuse.harness.compiler import compile_gluon_sm90
+
+    facts = compile_gluon_sm90("tilefuse.kernels.gemm_ws", "sm90_compile_job", dict(activation=activation))
+    assert facts["warp_specialized"] and facts["wgmma"] and not facts["wgmma_a_in_registers"], facts
+    assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
+    assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts

@@ -1,0 +1,178 @@
+"""Hopper GEMM ``y = act(x @ w^T + b)`` with warp specialization (Gluon): a TMA producer warp and two
+consumer warpgroups in ping-pong over a persistent tile loop.
+
+Fuses the same work as gemm_tma.py, with the same HBM bytes: (M*K + N*K + M*N)*s against
+(M*K + N*K + 3*M*N)*s for GEMM-then-activation. What it adds is what Triton 3.6's tl code cannot produce
+on sm_90 (sessions 3 and 5, benchmarks/NOTES.md): one warp only issues the TMA loads of the K steps of
+every output tile the CTA owns, into a ring of shared buffers; two consumer warpgroups take the CTA's
+tiles in turn (even, odd), each computing a whole BLOCK_M x BLOCK_N tile on wgmma. While one consumer runs
+its epilogue (bias, activation, the TMA store), the other's main loop keeps the tensor cores busy: the
+ring hands K steps out in tile order, so the two main loops alternate by construction.
+Status: written and compiled for sm_90a (tests/test_sm90_compile.py), not yet run on a GPU; it is not
+dispatched by tilefuse.linear. benchmarks/gemm_variants.py measures it against linear_tma_kernel.
+Limits: as gemm_tma.py (row-contiguous x and y, K-contiguous w, 16-byte-aligned rows), fp16/bf16, no
+gated activations.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tilefuse import runtime
+from tilefuse.kernels.activations import apply_activation
+from tilefuse.kernels.tiling import cdiv, grouped_tile
+
+CONSUMER_REGS = gl.constexpr(240)
+PRODUCER_REGS = gl.constexpr(24)
+# 12 warps (3 warpgroups) launch with 168 registers a thread; the producer's warpgroup drops to 24 and the
+# consumers rise to 240 (2 * 240 + 24 = 3 * 168). At 232/40 the GELU epilogue spilled 20 bytes (sm_90a).
+LAUNCH_MAXNREG = 168
+# 128x128 tiles per consumer (acc: 128 fp32 registers a thread), 64-wide K steps, a 4-deep ring:
+# 4 * (128 + 128) * 64 * 2 B = 128 KB, plus one 32 KB output staging buffer per consumer.
+DEFAULT_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=4, GROUP_M=8)
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
+    """One warp: the K steps of every tile of this CTA, in tile order, through the ring."""
+    x_bufs, w_bufs, y_bufs = bufs
+    ready, empty = bars
+    M, N, K = sizes
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    step = 0
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        for kk in range(k_steps):
+            slot = step % STAGES
+            # Empty barriers start out complete for phase 1: nothing to wait for on the first lap.
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(slot),
+                                            x_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(slot),
+                                            w_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _consumer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
+    """Consumer WHICH (0 or 1): the CTA's tiles WHICH, WHICH + 2, ...; main loop, then the epilogue."""
+    x_bufs, w_bufs, y_bufs = bufs
+    ready, empty = bars
+    M, N, K = sizes
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    y_buf = y_bufs.index(WHICH)
+    i = 0  # this CTA's tile count: tile i's K steps are ring steps i * k_steps ... (i + 1) * k_steps - 1
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
+        if i % 2 == WHICH:
+            pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            for kk in range(k_steps):
+                step = i * k_steps + kk
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                # One wgmma in flight: the previous step's is done, so its buffers go back to the producer.
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index((i * k_steps + k_steps - 1) % STAGES), count=1)
+
+            if HAS_BIAS:
+                offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                bias = gl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
+                acc = acc + bias[None, :]
+            out = apply_activation(acc, ACTIVATION).to(y_desc.dtype)
+            tma.store_wait(0)  # this consumer's previous tile has left its staging buffer
+            y_buf.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(y_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], y_buf)
+        i += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def linear_ws_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
+    dtype: gl.constexpr = x_desc.dtype
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    y_bufs = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)  # each K step belongs to exactly one consumer
+    bufs = (x_bufs, w_bufs, y_bufs)
+    bars = (ready, empty)
+    sizes = (M, N, K)
+    # Constexprs go as separate arguments (inside a tuple they would become runtime values).
+    gl.warp_specialize([
+        (_consumer, (x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS, ACTIVATION, GROUP_M, NUM_SMS, 0)),
+        (_consumer, (x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS, ACTIVATION, GROUP_M, NUM_SMS, 1)),
+        (_producer, (x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS, ACTIVATION, GROUP_M, NUM_SMS, 0)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---- host side ------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _layout(rows: int, cols: int, bf16: bool):
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if bf16 else gl.float16)
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols],
+                            _layout(rows, cols, t.dtype == torch.bfloat16))
+
+
+def launch(x2d, w, b, y, activation=None, config: dict | None = None) -> dict:
+    """x2d [M, K], w [N, K], b [N] or None, y [M, N]: fp16/bf16, TMA-able (gemm_tma.tma_supported)."""
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    M, K = x2d.shape
+    N = w.shape[0]
+    num_sms = runtime.device_facts(x2d.device)[1]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid = (min(num_sms, cdiv(M, bm) * cdiv(N, bn)),)
+    linear_ws_kernel[grid](_descriptor(x2d, bm, bk), _descriptor(w, bn, bk), _descriptor(y, bm, bn),
+                           b if b is not None else y, M, N, K, HAS_BIAS=b is not None,
+                           ACTIVATION=activation or "none", STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
+                           NUM_SMS=num_sms, num_warps=4, maxnreg=LAUNCH_MAXNREG)
+    return cfg
+
+
+def sm90_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: str = "bfloat16",
+                     config: dict | None = None, num_sms: int = 132):
+    """(kernel, signature, constexprs, options) for harness.compiler.compile_gluon_sm90."""
+    from triton.runtime.jit import mangle_type
+
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    t = torch.empty(256, 256, dtype=getattr(torch, dtype))
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    signature = dict(x_desc=mangle_type(_descriptor(t, bm, bk)), w_desc=mangle_type(_descriptor(t, bn, bk)),
+                     y_desc=mangle_type(_descriptor(t, bm, bn)), b_ptr=mangle_type(t), M="i32", N="i32", K="i32")
+    constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
+                      NUM_SMS=num_sms)
+    return linear_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
