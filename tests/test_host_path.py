@@ -127,3 +127,14 @@ def test_report_marks_rows_whose_time_may_be_the_hosts():
     assert "| 0.0900 † | 85 | – |" in bound and "host µs" in bound
     free = render_markdown(_gpu_result(ms=0.090, host=30.0))
     assert "| 0.0900 | 30 | – |" in free
+
+
+@pytest.mark.parametrize("d", [64, 80])  # the warp-specialized kernel, and the portable one
+def test_attention_grid_fits_cuda_limits_in_batched_decode(d, pinned_tuners):
+    """B * Hq = 131072 (4096 sequences of 32 heads, one query each): CUDA's second and third grid axes stop
+    at 65535, so the attention launches put every (query block, head) on the first axis."""
+    q = torch.randn(4096, 32, 1, d, dtype=torch.bfloat16)
+    k = torch.randn(4096, 8, 16, d, dtype=torch.bfloat16)
+    with torch.no_grad(), stubbed_launches() as launches:
+        registry.get("attention").fused(q=q, k=k, v=k, causal=False, window=None, scale=None, return_lse=False)
+    assert launches and all(len(launch.grid) == 1 and launch.grid[0] == 4096 * 32 for launch in launches), launches

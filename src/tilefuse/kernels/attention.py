@@ -129,11 +129,13 @@ def attention_fwd_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Query blocks in reverse order: with causal masks the last blocks carry the most keys, so they
-    # start first and the light ones fill the tail of the launch. Axis 0 (q-blocks of one head) runs
-    # fastest, so programs in flight share a K/V head in L2.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # One grid axis (the second and third stop at 65535, which B * Hq passes in batched decode). The
+    # q-blocks of one head are consecutive programs, so programs in flight share a K/V head in L2, and
+    # run in reverse order: with causal masks the last blocks carry the most keys, so they start first
+    # and the light ones fill the tail of the launch.
+    q_blocks = tl.cdiv(N_Q, BLOCK_M)
+    pid_bh = tl.program_id(0) // q_blocks
+    pid_m = q_blocks - 1 - tl.program_id(0) % q_blocks
     b = pid_bh // H_Q
     h = pid_bh % H_Q
     h_kv = h // GROUP
@@ -396,19 +398,19 @@ def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left,
                  USE_DESC=use_desc, INPUT_PRECISION=input_precision, BLOCK_D=block_d)
     if interpret:
         cfg = INTERPRETER_CONFIG
-        grid = (cdiv(Nq, cfg["BLOCK_M"]), B * Hq)
+        grid = (cdiv(Nq, cfg["BLOCK_M"]) * B * Hq,)
         attention_fwd_kernel[grid](*args, **flags, UPCAST_DOT=q.dtype == torch.bfloat16, **cfg)
         return cfg
 
     if Nq * Nk < AUTOTUNE_MIN_WORK:
         cfg = heuristic_config(block_d, q.element_size(), input_precision)
-        grid = (cdiv(Nq, cfg.kwargs["BLOCK_M"]), B * Hq)
+        grid = (cdiv(Nq, cfg.kwargs["BLOCK_M"]) * B * Hq,)
         attention_fwd_kernel[grid](*args, **flags, UPCAST_DOT=False, **cfg.kwargs,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return cfg
 
     def grid(meta):
-        return (cdiv(Nq, meta["BLOCK_M"]), B * Hq)
+        return (cdiv(Nq, meta["BLOCK_M"]) * B * Hq,)
 
     attention_fwd_autotuned[grid](*args, **flags, UPCAST_DOT=False)
     return attention_fwd_autotuned.best_config

@@ -181,7 +181,7 @@ def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
     q_desc, k_desc, v_desc, o_desc, lse_ptr = descs
     q_bufs, k_bufs, v_bufs = bufs
     q_ready, k_ready, v_ready, k_empty, v_empty, turns = bars
-    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, group = params
+    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, group, pid_bh = params
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -214,7 +214,8 @@ def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
                                            v_empty, lo_tile, hi, full_start, full_end, pos_m, N_K, window_left,
                                            window_right, qk_scale, HAS_LEFT, HAS_RIGHT, BLOCK_N, HEAD_D, STAGES,
                                            s_layout, o_layout, p_layout)
-    _epilogue(acc, m_i, l_i, q_bufs, o_desc, lse_ptr, b, h, rows0, N_Q, WHICH, HEAD_D, STORE_LSE, s_layout, o_layout)
+    _epilogue(acc, m_i, l_i, q_bufs, o_desc, lse_ptr, b, h, pid_bh, rows0, N_Q, WHICH, HEAD_D, STORE_LSE, s_layout,
+              o_layout)
 
 
 @gluon.jit
@@ -241,7 +242,8 @@ def _consume_in_stages(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, q_bufs, o_desc, lse_ptr, b, h, rows0, N_Q, WHICH: gl.constexpr, HEAD_D: gl.constexpr,
+def _epilogue(acc, m_i, l_i, q_bufs, o_desc, lse_ptr, b, h, pid_bh, rows0, N_Q, WHICH: gl.constexpr,
+              HEAD_D: gl.constexpr,
               STORE_LSE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Rows that saw no key give 0 and lse = -inf. The consumer's Q buffer (no longer read: every wgmma
     on it has been waited for) stages the output for one TMA store, which clips rows past N_Q."""
@@ -254,7 +256,6 @@ def _epilogue(acc, m_i, l_i, q_bufs, o_desc, lse_ptr, b, h, rows0, N_Q, WHICH: g
     if STORE_LSE:
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
         offs = rows0 + gl.arange(0, HALF_M, layout=row_s)
-        pid_bh = gl.program_id(1)
         gl.store(lse_ptr + pid_bh.to(gl.int64) * N_Q + offs, lse, mask=offs < N_Q)
     q_buf.store(out.to(q_buf.dtype))
     fence_async_shared()
@@ -270,7 +271,7 @@ def _producer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
     q_desc, k_desc, v_desc, o_desc, lse_ptr = descs
     q_bufs, k_bufs, v_bufs = bufs
     q_ready, k_ready, v_ready, k_empty, v_empty, turns = bars
-    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, group = params
+    b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, group, pid_bh = params
     h_kv = h // group  # GQA: query head h reads KV head h // (Hq / Hkv), in place
     for c in gl.static_range(2):
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
@@ -318,10 +319,11 @@ def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N
         k_desc = k_src
         v_desc = v_src
         o_desc = o_src
-    # Query blocks in reverse order (the causal-heavy ones first); axis 0 fastest so CTAs in flight
-    # share a KV head in L2.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    # One grid axis (B * Hq passes the 65535 limit of the others in batched decode): the q-blocks of one
+    # head are consecutive CTAs, sharing a KV head in L2, in reverse order (the causal-heavy ones first).
+    q_blocks = gl.cdiv(N_Q, BLOCK_M)
+    pid_bh = gl.program_id(0) // q_blocks
+    pid_m = q_blocks - 1 - gl.program_id(0) % q_blocks
     b = pid_bh // H_Q
     h = pid_bh % H_Q
     m0 = pid_m * BLOCK_M
@@ -353,7 +355,7 @@ def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N
     descs = (q_desc, k_desc, v_desc, o_desc, lse_ptr)
     bufs = (q_bufs, k_bufs, v_bufs)
     bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turns)
-    params = (b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, H_Q // H_KV)
+    params = (b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, H_Q // H_KV, pid_bh)
     # Constexprs go as separate arguments (inside a tuple they would become runtime values).
     gl.warp_specialize([
         (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, STORE_LSE, BLOCK_N, STAGES, PINGPONG, 0)),
@@ -407,8 +409,8 @@ def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right
     from tilefuse import runtime
 
     B, Hq, Nq, d = q.shape
-    grid = (triton.cdiv(Nq, BLOCK_M.value), B * Hq)
-    few_ctas = grid[0] * grid[1] <= DEVICE_DESC_MAX_WAVES * runtime.device_facts(q.device)[1]
+    grid = (triton.cdiv(Nq, BLOCK_M.value) * B * Hq,)
+    few_ctas = grid[0] <= DEVICE_DESC_MAX_WAVES * runtime.device_facts(q.device)[1]
     cfg = {**config_for(d), "DEVICE_DESC": few_ctas, **(config or {})}
     if cfg["DEVICE_DESC"]:
         ensure_descriptor_allocator()
