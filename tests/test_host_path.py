@@ -138,3 +138,22 @@ def test_attention_grid_fits_cuda_limits_in_batched_decode(d, pinned_tuners):
     with torch.no_grad(), stubbed_launches() as launches:
         registry.get("attention").fused(q=q, k=k, v=k, causal=False, window=None, scale=None, return_lse=False)
     assert launches and all(len(launch.grid) == 1 and launch.grid[0] == 4096 * 32 for launch in launches), launches
+
+
+def test_forward_kernel_portable_reaches_the_portable_kernel(pinned_tuners):
+    """The report's "tilefuse.attention.portable" anchor: inside forward_kernel("portable") a bf16 d = 64 call
+    (which the warp-specialized kernel takes otherwise) launches the portable kernel; the choice is restored
+    after the block, and a name other than "auto" / "portable" is refused."""
+    from tilefuse.ops.attention import forward_kernel
+
+    q = torch.randn(1, 4, 128, 64, dtype=torch.bfloat16)
+    spec = registry.get("attention")
+    args = dict(q=q, k=q, v=q, causal=True, window=None, scale=None, return_lse=False)
+    with torch.no_grad(), stubbed_launches() as launches:
+        with forward_kernel("portable"):
+            spec.fused(**args)
+        spec.fused(**args)
+    assert [launch.kernel for launch in launches] == ["attention_fwd_kernel", "attention_fwd_ws_kernel"]
+    with pytest.raises(ValueError, match="kernel must be"):
+        with forward_kernel("ws"):
+            pass
