@@ -316,3 +316,23 @@ def test_warp_specialized_kernel_strided_and_refusals():
     with pytest.raises(ValueError, match="warp-specialized"):
         launch_attention(q80, k80, v80, out80, None, None, scale=1.0, pos_offset=0, window_left=-1,
                          window_right=-1, input_precision="tf32", interpret=False, kernel="ws")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("d", [64, 128])
+def test_warp_specialized_kernel_nan_and_large_logits(d):
+    """NaN in one query row gives NaN in that row only (as torch), and x1e4 logits stay finite, on the
+    Gluon kernel's default path (both schedules: ping-pong at d = 128, plain at d = 64)."""
+    q, k, v = _qkv(1, 2, 1, 300, 333, d, "cuda", BF16)
+    q[0, 1, 5, 3] = float("nan")
+    out = attention(q, k, v, causal=True)
+    assert last_config["config"].get("WARP_SPECIALIZE"), last_config
+    assert out[0, 1, 5].isnan().all()
+    out[0, 1, 5] = 0
+    assert not out.isnan().any()
+    q, k, v = _qkv(1, 2, 1, 300, 333, d, "cuda", BF16)
+    big = q * 1e4
+    out, lse = attention(big, k, v, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ro, rl = ref.attention(*_f64(big, k, v), return_lse=True)
+    assert_close((out, lse), (ro, rl), REL_L2_BOUND[BF16], "x1e4 logits")
