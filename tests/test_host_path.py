@@ -132,12 +132,18 @@ def test_report_marks_rows_whose_time_may_be_the_hosts():
 @pytest.mark.parametrize("d", [64, 80])  # the warp-specialized kernel, and the portable one
 def test_attention_grid_fits_cuda_limits_in_batched_decode(d, pinned_tuners):
     """B * Hq = 131072 (4096 sequences of 32 heads, one query each): CUDA's second and third grid axes stop
-    at 65535, so the attention launches put every (query block, head) on the first axis."""
+    at 65535, so the attention launches put every (query block, head) on the first axis (FLAT_GRID), and
+    keep the two-axis grid below that."""
     q = torch.randn(4096, 32, 1, d, dtype=torch.bfloat16)
     k = torch.randn(4096, 8, 16, d, dtype=torch.bfloat16)
     with torch.no_grad(), stubbed_launches() as launches:
         registry.get("attention").fused(q=q, k=k, v=k, causal=False, window=None, scale=None, return_lse=False)
     assert launches and all(len(launch.grid) == 1 and launch.grid[0] == 4096 * 32 for launch in launches), launches
+    assert all(launch.kwargs["FLAT_GRID"] for launch in launches)
+    with torch.no_grad(), stubbed_launches() as launches:
+        registry.get("attention").fused(q=q[:2], k=k[:2], v=k[:2], causal=False, window=None, scale=None,
+                                        return_lse=False)
+    assert [launch.grid for launch in launches] == [(1, 64)] and not launches[0].kwargs["FLAT_GRID"]
 
 
 def test_forward_kernel_portable_reaches_the_portable_kernel(pinned_tuners):

@@ -127,15 +127,19 @@ def attention_fwd_kernel(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     STORE_LSE: tl.constexpr, EVEN_D: tl.constexpr, USE_DESC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr = False,
 ):
-    # One grid axis (the second and third stop at 65535, which B * Hq passes in batched decode). The
-    # q-blocks of one head are consecutive programs, so programs in flight share a K/V head in L2, and
-    # run in reverse order: with causal masks the last blocks carry the most keys, so they start first
-    # and the light ones fill the tail of the launch.
-    q_blocks = tl.cdiv(N_Q, BLOCK_M)
-    pid_bh = tl.program_id(0) // q_blocks
-    pid_m = q_blocks - 1 - tl.program_id(0) % q_blocks
+    # Query blocks in reverse order: with causal masks the last blocks carry the most keys, so they
+    # start first and the light ones fill the tail of the launch. The q-blocks of one head are
+    # consecutive programs (axis 0 runs fastest), so programs in flight share a K/V head in L2. FLAT_GRID:
+    # everything on axis 0, for B * Hq past the 65535 limit of axis 1 (batched decode).
+    if FLAT_GRID:
+        q_blocks = tl.cdiv(N_Q, BLOCK_M)
+        pid_bh = tl.program_id(0) // q_blocks
+        pid_m = q_blocks - 1 - tl.program_id(0) % q_blocks
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        pid_bh = tl.program_id(1)
     b = pid_bh // H_Q
     h = pid_bh % H_Q
     h_kv = h // GROUP
@@ -353,6 +357,14 @@ def descriptors_usable(*tensors) -> bool:
     return True
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2
+
+
+def _grid(Nq: int, block_m: int, heads: int) -> tuple:
+    """(query blocks, B * Hq), or everything on axis 0 (FLAT_GRID) when B * Hq passes axis 1's limit."""
+    return (cdiv(Nq, block_m), heads) if heads <= MAX_GRID_Y else (cdiv(Nq, block_m) * heads,)
+
+
 def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_right,
                      input_precision, interpret, use_desc=None, kernel="auto"):
     """q/out [B, Hq, Nq, d], k/v [B, Hkv, Nk, d] (any strides); mask None or broadcastable strides
@@ -395,22 +407,23 @@ def launch_attention(q, k, v, out, lse, mask, *, scale, pos_offset, window_left,
             tuning.m_bucket(Nq), tuning.m_bucket(Nk))
     flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_MASK=has_mask,
                  MASK_IS_BOOL=mask_is_bool, STORE_LSE=lse is not None, EVEN_D=d == block_d,
-                 USE_DESC=use_desc, INPUT_PRECISION=input_precision, BLOCK_D=block_d)
+                 USE_DESC=use_desc, INPUT_PRECISION=input_precision, BLOCK_D=block_d,
+                 FLAT_GRID=B * Hq > MAX_GRID_Y)
     if interpret:
         cfg = INTERPRETER_CONFIG
-        grid = (cdiv(Nq, cfg["BLOCK_M"]) * B * Hq,)
+        grid = _grid(Nq, cfg["BLOCK_M"], B * Hq)
         attention_fwd_kernel[grid](*args, **flags, UPCAST_DOT=q.dtype == torch.bfloat16, **cfg)
         return cfg
 
     if Nq * Nk < AUTOTUNE_MIN_WORK:
         cfg = heuristic_config(block_d, q.element_size(), input_precision)
-        grid = (cdiv(Nq, cfg.kwargs["BLOCK_M"]) * B * Hq,)
+        grid = _grid(Nq, cfg.kwargs["BLOCK_M"], B * Hq)
         attention_fwd_kernel[grid](*args, **flags, UPCAST_DOT=False, **cfg.kwargs,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return cfg
 
     def grid(meta):
-        return (cdiv(Nq, meta["BLOCK_M"]) * B * Hq,)
+        return _grid(Nq, meta["BLOCK_M"], B * Hq)
 
     attention_fwd_autotuned[grid](*args, **flags, UPCAST_DOT=False)
     return attention_fwd_autotuned.best_config

@@ -24,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tilefuse.kernels.attention import MAX_GRID_Y
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
 
 HALF_M = gl.constexpr(64)           # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
@@ -298,7 +299,7 @@ def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N
                             qk_scale, pos_offset, window_left, window_right, HEAD_D: gl.constexpr,
                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STORE_LSE: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                            DEVICE_DESC: gl.constexpr):
+                            DEVICE_DESC: gl.constexpr, FLAT_GRID: gl.constexpr):
     # *_src: TMA descriptors made on the host, or (DEVICE_DESC) plain pointers whose descriptors are made
     # here from the sizes and strides: a host descriptor costs Python and a driver call to encode on
     # every launch, four per call.
@@ -319,11 +320,15 @@ def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N
         k_desc = k_src
         v_desc = v_src
         o_desc = o_src
-    # One grid axis (B * Hq passes the 65535 limit of the others in batched decode): the q-blocks of one
-    # head are consecutive CTAs, sharing a KV head in L2, in reverse order (the causal-heavy ones first).
-    q_blocks = gl.cdiv(N_Q, BLOCK_M)
-    pid_bh = gl.program_id(0) // q_blocks
-    pid_m = q_blocks - 1 - gl.program_id(0) % q_blocks
+    # Query blocks in reverse order (the causal-heavy ones first); axis 0 fastest so CTAs in flight
+    # share a KV head in L2. FLAT_GRID: everything on axis 0, for B * Hq past axis 1's limit of 65535.
+    if FLAT_GRID:
+        q_blocks = gl.cdiv(N_Q, BLOCK_M)
+        pid_bh = gl.program_id(0) // q_blocks
+        pid_m = q_blocks - 1 - gl.program_id(0) % q_blocks
+    else:
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        pid_bh = gl.program_id(1)
     b = pid_bh // H_Q
     h = pid_bh % H_Q
     m0 = pid_m * BLOCK_M
@@ -409,8 +414,10 @@ def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right
     from tilefuse import runtime
 
     B, Hq, Nq, d = q.shape
-    grid = (triton.cdiv(Nq, BLOCK_M.value) * B * Hq,)
-    few_ctas = grid[0] <= DEVICE_DESC_MAX_WAVES * runtime.device_facts(q.device)[1]
+    q_blocks = triton.cdiv(Nq, BLOCK_M.value)
+    flat = B * Hq > MAX_GRID_Y
+    grid = (q_blocks * B * Hq,) if flat else (q_blocks, B * Hq)
+    few_ctas = q_blocks * B * Hq <= DEVICE_DESC_MAX_WAVES * runtime.device_facts(q.device)[1]
     cfg = {**config_for(d), "DEVICE_DESC": few_ctas, **(config or {})}
     if cfg["DEVICE_DESC"]:
         ensure_descriptor_allocator()
@@ -422,20 +429,22 @@ def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right
         *srcs, lse if lse is not None else out, B, Hq, k.shape[1], Nq, k.shape[2],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         qk_scale, pos_offset, max(window_left, 0), max(window_right, 0), HEAD_D=d,
-        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, STORE_LSE=lse is not None,
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, STORE_LSE=lse is not None, FLAT_GRID=flat,
         num_warps=4, maxnreg=LAUNCH_MAXNREG, **cfg)
     return dict(BLOCK_M=BLOCK_M.value, **cfg, WARP_SPECIALIZE=True)
 
 
 def sm90_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_left: bool = False,
-                     has_right: bool = False, store_lse: bool = True, config: dict | None = None):
+                     has_right: bool = False, store_lse: bool = True, config: dict | None = None,
+                     flat_grid: bool = False):
     """(kernel, signature, constexprs, options) for harness.compiler.compile_gluon_sm90: host descriptors'
     signature strings are built from a CPU tensor, as a launch would specialize them."""
     from triton.runtime.jit import mangle_type
 
     fn = attention_fwd_ws_kernel
     cfg = {**config_for(head_dim), "DEVICE_DESC": True, **(config or {})}
-    constexprs = dict(HEAD_D=head_dim, HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse, **cfg)
+    constexprs = dict(HEAD_D=head_dim, HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse,
+                      FLAT_GRID=flat_grid, **cfg)
     signature = {name: "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names if name not in constexprs}
     t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
     if cfg["DEVICE_DESC"]:
