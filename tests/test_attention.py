@@ -349,3 +349,17 @@ def test_warp_specialized_kernel_nan_and_large_logits(d):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     ro, rl = ref.attention(*_f64(big, k, v), return_lse=True)
     assert_close((out, lse), (ro, rl), REL_L2_BOUND[BF16], "x1e4 logits")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("d", [64, 80])  # the warp-specialized kernel, and the portable one
+def test_batched_decode_past_the_grid_axis_limit(d):
+    """4096 sequences x 32 heads, one query each: B * Hq = 131072 > 65535 takes the one-axis grid."""
+    q = _rand(4096, 32, 1, d, device="cuda", dtype=BF16)
+    k = _rand(4096, 8, 16, d, device="cuda", dtype=BF16, seed=1)
+    v = _rand(4096, 8, 16, d, device="cuda", dtype=BF16, seed=2)
+    out, lse = attention(q, k, v, return_lse=True)
+    assert bool(last_config["config"].get("WARP_SPECIALIZE") if isinstance(last_config["config"], dict)
+                else False) == (d == 64), last_config
+    ro, rl = ref.attention(*_f64(q, k, v), return_lse=True)
+    assert_close((out, lse), (ro, rl), REL_L2_BOUND[BF16], f"decode B*Hq=131072 d={d}")
