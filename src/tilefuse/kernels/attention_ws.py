@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilefuse.kernels.attention import MAX_GRID_Y
+from tilefuse.kernels.attention import MAX_GRID_Y, key_tile_ranges, query_block_and_head
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
 
 HALF_M = gl.constexpr(64)           # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
@@ -35,31 +35,6 @@ PRODUCER_REGS = gl.constexpr(24)
 # producer's warpgroup gives its surplus to the two consumers (2 * 240 + 24 = 3 * 168).
 LAUNCH_MAXNREG = 168
 SUPPORTED_HEAD_DIMS = (64, 128)
-
-
-@gluon.jit
-def _key_ranges(m0, N_Q, N_K, pos_offset, window_left, window_right, ROWS: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
-    """For query rows [m0, m0 + ROWS): the first tile any row sees (tile-aligned), the end of what any row
-    sees, and the tile-aligned range every row sees whole (empty -> both at the first tile)."""
-    last_row = gl.minimum(m0 + ROWS, N_Q) - 1
-    lo = m0 * 0
-    hi = N_K + m0 * 0
-    full_lo = m0 * 0
-    full_hi = N_K + m0 * 0
-    if HAS_LEFT:
-        lo = gl.maximum(m0 + pos_offset - window_left, 0)
-        full_lo = gl.maximum(last_row + pos_offset - window_left, 0)
-    if HAS_RIGHT:
-        hi = gl.minimum(gl.maximum(last_row + pos_offset + window_right + 1, 0), N_K)
-        full_hi = gl.minimum(gl.maximum(m0 + pos_offset + window_right + 1, 0), N_K)
-    lo_tile = (lo // BLOCK_N) * BLOCK_N
-    full_start = (full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    full_end = (full_hi // BLOCK_N) * BLOCK_N
-    no_full = full_end <= full_start
-    full_start = gl.where(no_full, lo_tile, full_start)
-    full_end = gl.where(no_full, lo_tile, full_end)
-    return lo_tile, hi, full_start, full_end
 
 
 @gluon.jit
@@ -193,8 +168,8 @@ def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     rows0 = m0 + WHICH * HALF_M
-    _, _, full_start, full_end = _key_ranges(rows0, N_Q, N_K, pos_offset, window_left, window_right,
-                                             HALF_M, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    _, _, full_start, full_end = key_tile_ranges(rows0, HALF_M, N_Q, N_K, pos_offset, window_left, window_right,
+                                                 HAS_LEFT, HAS_RIGHT, BLOCK_N)
     pos_m = rows0 + gl.arange(0, HALF_M, layout=row_s) + pos_offset
 
     q_buf = q_bufs.index(WHICH).reshape([HALF_M, HEAD_D])
@@ -320,20 +295,12 @@ def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N
         k_desc = k_src
         v_desc = v_src
         o_desc = o_src
-    # Query blocks in reverse order (the causal-heavy ones first); axis 0 fastest so CTAs in flight
-    # share a KV head in L2. FLAT_GRID: everything on axis 0, for B * Hq past axis 1's limit of 65535.
-    if FLAT_GRID:
-        q_blocks = gl.cdiv(N_Q, BLOCK_M)
-        pid_bh = gl.program_id(0) // q_blocks
-        pid_m = q_blocks - 1 - gl.program_id(0) % q_blocks
-    else:
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        pid_bh = gl.program_id(1)
+    pid_m, pid_bh = query_block_and_head(N_Q, BLOCK_M, FLAT_GRID)
     b = pid_bh // H_Q
     h = pid_bh % H_Q
     m0 = pid_m * BLOCK_M
-    lo_tile, hi, _, _ = _key_ranges(m0, N_Q, N_K, pos_offset, window_left, window_right, BLOCK_M,
-                                    HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    lo_tile, hi, _, _ = key_tile_ranges(m0, BLOCK_M, N_Q, N_K, pos_offset, window_left, window_right,
+                                        HAS_LEFT, HAS_RIGHT, BLOCK_N)
     # At least one tile, also where no row sees a key: it is masked out whole (its keys lie past what
     # any row sees), and the pipelines never run empty.
     hi = gl.maximum(hi, lo_tile + 1)
