@@ -14,8 +14,6 @@ uses the portable kernel elsewhere and the report's config column says which ran
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -24,7 +22,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilefuse.kernels.attention import MAX_GRID_Y, key_tile_ranges, query_block_and_head
+from tilefuse import runtime
+from tilefuse.kernels.attention import MAX_GRID_Y, descriptors_usable, key_tile_ranges, query_block_and_head
+from tilefuse.kernels.gluon_host import host_descriptor
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
 
 HALF_M = gl.constexpr(64)           # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
@@ -356,30 +356,18 @@ DEVICE_DESC_MAX_WAVES = 4
 
 def usable(q, k, v, out, mask) -> bool:
     """The cases this kernel takes: everything else runs the portable kernel."""
-    from tilefuse import runtime
-    from tilefuse.kernels.attention import descriptors_usable
     return (mask is None and q.is_cuda and runtime.device_facts(q.device)[0] == 9
             and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in SUPPORTED_HEAD_DIMS
             and descriptors_usable(q, k, v, out))
 
 
-@functools.lru_cache(maxsize=None)
-def _tile_layout(rows: int, head_dim: int, bf16: bool):
-    """The shared layout of a [1, 1, rows, head_dim] TMA tile, cached: building one costs ~10 us of Python
-    (a constexpr_function call), and each launch needs four descriptors."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
-
-
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    rows, d = int(rows), t.shape[-1]
-    return TensorDescriptor(t, t.shape, t.stride(), [1, 1, rows, d], _tile_layout(rows, d, t.dtype == torch.bfloat16))
+    return host_descriptor(t, (1, 1, int(rows), t.shape[-1]))
 
 
 def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right, config=None) -> dict:
     """q/out [B, Hq, Nq, d] and k/v [B, Hkv, Nk, d], TMA-able (``usable``); lse None or fp32 [B, Hq, Nq].
     ``config`` overrides entries of ``config_for(d)`` (benchmarks compare variants with it)."""
-    from tilefuse import runtime
-
     B, Hq, Nq, d = q.shape
     q_blocks = triton.cdiv(Nq, BLOCK_M.value)
     flat = B * Hq > MAX_GRID_Y

@@ -15,17 +15,15 @@ gated activations.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilefuse import runtime
 from tilefuse.kernels.activations import apply_activation
+from tilefuse.kernels.gluon_host import host_descriptor
 from tilefuse.kernels.tiling import cdiv, grouped_tile
 
 CONSUMER_REGS = gl.constexpr(240)
@@ -39,19 +37,24 @@ DEFAULT_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=4, GROUP_M=8)
 
 
 @gluon.jit
+def _tile_counts(x_desc, w_desc, sizes):
+    """Output tiles along M and N, and K steps per tile (the descriptors' blocks set the tile)."""
+    M, N, K = sizes
+    return (gl.cdiv(M, x_desc.block_type.shape[0]), gl.cdiv(N, w_desc.block_type.shape[0]),
+            gl.cdiv(K, x_desc.block_type.shape[1]))
+
+
+@gluon.jit
 def _producer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
     """One warp: the K steps of every tile of this CTA, in tile order, through the ring."""
     x_bufs, w_bufs, y_bufs = bufs
     ready, empty = bars
-    M, N, K = sizes
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     STAGES: gl.constexpr = x_bufs.type.shape[0]
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
+    num_pid_m, num_pid_n, k_steps = _tile_counts(x_desc, w_desc, sizes)
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -73,7 +76,7 @@ def _consumer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.con
     """Consumer WHICH (0 or 1): the CTA's tiles WHICH, WHICH + 2, ...; main loop, then the epilogue."""
     x_bufs, w_bufs, y_bufs = bufs
     ready, empty = bars
-    M, N, K = sizes
+    N = sizes[1]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -81,9 +84,7 @@ def _consumer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.con
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
+    num_pid_m, num_pid_n, k_steps = _tile_counts(x_desc, w_desc, sizes)
     y_buf = y_bufs.index(WHICH)
     i = 0  # this CTA's tile count: tile i's K steps are ring steps i * k_steps ... (i + 1) * k_steps - 1
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
@@ -138,16 +139,6 @@ def linear_ws_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, HAS_BIAS: gl.conste
 
 
 # ---- host side ------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _layout(rows: int, cols: int, bf16: bool):
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if bf16 else gl.float16)
-
-
-def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols],
-                            _layout(rows, cols, t.dtype == torch.bfloat16))
-
-
 def launch(x2d, w, b, y, activation=None, config: dict | None = None) -> dict:
     """x2d [M, K], w [N, K], b [N] or None, y [M, N]: fp16/bf16, TMA-able (gemm_tma.tma_supported)."""
     cfg = {**DEFAULT_CONFIG, **(config or {})}
@@ -156,7 +147,8 @@ def launch(x2d, w, b, y, activation=None, config: dict | None = None) -> dict:
     num_sms = runtime.device_facts(x2d.device)[1]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (min(num_sms, cdiv(M, bm) * cdiv(N, bn)),)
-    linear_ws_kernel[grid](_descriptor(x2d, bm, bk), _descriptor(w, bn, bk), _descriptor(y, bm, bn),
+    linear_ws_kernel[grid](host_descriptor(x2d, (bm, bk)), host_descriptor(w, (bn, bk)),
+                           host_descriptor(y, (bm, bn)),
                            b if b is not None else y, M, N, K, HAS_BIAS=b is not None,
                            ACTIVATION=activation or "none", STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
                            NUM_SMS=num_sms, num_warps=4, maxnreg=LAUNCH_MAXNREG)
@@ -171,8 +163,10 @@ def sm90_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: str
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     t = torch.empty(256, 256, dtype=getattr(torch, dtype))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    signature = dict(x_desc=mangle_type(_descriptor(t, bm, bk)), w_desc=mangle_type(_descriptor(t, bn, bk)),
-                     y_desc=mangle_type(_descriptor(t, bm, bn)), b_ptr=mangle_type(t), M="i32", N="i32", K="i32")
+    signature = dict(x_desc=mangle_type(host_descriptor(t, (bm, bk))),
+                     w_desc=mangle_type(host_descriptor(t, (bn, bk))),
+                     y_desc=mangle_type(host_descriptor(t, (bm, bn))),
+                     b_ptr=mangle_type(t), M="i32", N="i32", K="i32")
     constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
                       NUM_SMS=num_sms)
     return linear_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
