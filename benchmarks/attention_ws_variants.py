@@ -12,9 +12,10 @@ import sys
 import time
 
 import torch
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tilefuse.harness.stats import error_stats
+from tilefuse.harness.timing import bench_ms, host_us
 from tilefuse.kernels import attention_ws
 from tilefuse.kernels.attention import LOG2E, launch_attention
 from tilefuse.registry import REGISTRY
@@ -26,29 +27,6 @@ VARIANTS = {
     64: [dict(), dict(PINGPONG=True), dict(DEVICE_DESC=True), dict(DEVICE_DESC=False)],
     128: [dict(), dict(PINGPONG=False), dict(DEVICE_DESC=True), dict(DEVICE_DESC=False)],
 }
-
-
-def issue_us(fn, calls=200):
-    """CPU microseconds to issue one call (no synchronisation inside the loop)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
-def bench(fn):
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def rel_l2(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def main(out_path, quick=False):
@@ -77,9 +55,9 @@ def main(out_path, quick=False):
                                                                             enable_gqa=gqa)
             return run
         ref = sdpa(SDPBackend.CUDNN_ATTENTION)()
-        row["ms"]["sdpa cudnn"] = bench(sdpa(SDPBackend.CUDNN_ATTENTION))
+        row["ms"]["sdpa cudnn"] = bench_ms(sdpa(SDPBackend.CUDNN_ATTENTION))
         if not gqa:
-            row["ms"]["sdpa flash"] = bench(sdpa(SDPBackend.FLASH_ATTENTION))
+            row["ms"]["sdpa flash"] = bench_ms(sdpa(SDPBackend.FLASH_ATTENTION))
         out = torch.empty_like(q)
         right = 0 if causal else -1
 
@@ -87,9 +65,9 @@ def main(out_path, quick=False):
             launch_attention(q, k, v, out, None, None, scale=d ** -0.5, pos_offset=Nk - Nq, window_left=-1,
                              window_right=right, input_precision="tf32", interpret=False, kernel="portable")
         portable()
-        row["rel_l2_vs_cudnn"]["portable"] = rel_l2(out, ref)
-        row["ms"]["portable"] = bench(portable)
-        row.setdefault("issue_us", {})["portable"] = issue_us(portable)
+        row["rel_l2_vs_cudnn"]["portable"] = error_stats(out, ref).rel_l2
+        row["ms"]["portable"] = bench_ms(portable)
+        row.setdefault("issue_us", {})["portable"] = host_us(portable, calls=200)
         for variant in VARIANTS[d]:
             name = "ws " + (" ".join(f"{k}={v}" for k, v in variant.items()) or "default")
             out = torch.full_like(q, float("nan"))
@@ -100,9 +78,9 @@ def main(out_path, quick=False):
             try:
                 ws()
                 torch.cuda.synchronize()
-                row["rel_l2_vs_cudnn"][name] = rel_l2(out, ref)
-                row["ms"][name] = bench(ws)
-                row.setdefault("issue_us", {})[name] = issue_us(ws)
+                row["rel_l2_vs_cudnn"][name] = error_stats(out, ref).rel_l2
+                row["ms"][name] = bench_ms(ws)
+                row.setdefault("issue_us", {})[name] = host_us(ws, calls=200)
             except Exception as exc:  # a variant that fails to compile or launch is recorded, not fatal
                 row["ms"][name] = None
                 row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"

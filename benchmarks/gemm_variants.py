@@ -12,9 +12,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
 from tilefuse import tuning
+from tilefuse.harness.timing import bench_ms
 from tilefuse.kernels import gemm_tma, gemm_ws
 from tilefuse.opspecs.linear import BENCH_SHAPES
 import tilefuse
@@ -22,10 +22,17 @@ import tilefuse
 SMALL_M = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096)]
 
 
-def bench(fn):
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def _time_variant(row, name, ref, out_shape, dtype, launch):
+    """Runs ``launch(y)`` into a NaN-filled output, records its rel-L2 against ``ref`` and its time; a variant
+    that fails to compile or launch is recorded as failed, not fatal."""
+    try:
+        y = torch.full(out_shape, float("nan"), device="cuda", dtype=dtype)
+        launch(y)
+        torch.cuda.synchronize()
+        row["rel_l2"][name] = ((y.float() - ref).norm() / ref.norm()).item()
+        row["ms"][name] = bench_ms(lambda: launch(y))
+    except Exception as exc:  # noqa: BLE001 - recorded per variant
+        row["ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def main(out_path="gemm_variants.json", dtype_name="bf16"):
@@ -41,44 +48,24 @@ def main(out_path="gemm_variants.json", dtype_name="bf16"):
         ref = F.gelu(F.linear(x.float(), w.float(), b.float()))
         flops = 2 * M * N * K
         row = {"shape": [M, K, N], "dtype": dtype_name, "ms": {}, "rel_l2": {}, "compile": {}}
-        row["ms"]["cublas linear only"] = bench(lambda: F.linear(x, w, b))
-        row["ms"]["eager linear+gelu"] = bench(lambda: F.gelu(F.linear(x, w, b)))
-        row["ms"]["cublaslt epilogue"] = bench(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True))
+        row["ms"]["cublas linear only"] = bench_ms(lambda: F.linear(x, w, b))
+        row["ms"]["eager linear+gelu"] = bench_ms(lambda: F.gelu(F.linear(x, w, b)))
+        row["ms"]["cublaslt epilogue"] = bench_ms(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True))
         y = tilefuse.linear(x, w, b, "gelu")
-        row["ms"]["tilefuse.linear (dispatch)"] = bench(lambda: tilefuse.linear(x, w, b, "gelu"))
+        row["ms"]["tilefuse.linear (dispatch)"] = bench_ms(lambda: tilefuse.linear(x, w, b, "gelu"))
         row["rel_l2"]["tilefuse.linear (dispatch)"] = ((y.float() - ref).norm() / ref.norm()).item()
         from tilefuse.ops import linear as L
         row["dispatch_config"] = tuning.describe(L.last_config["config"]) + " " + str(L.last_config.get("kernel"))
         for v in variants:
-            name = "tma " + "_".join(f"{k}{val}" for k, val in v.items())
-            try:
-                y = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-
-                def run(v=v, y=y):
-                    gemm_tma.launch_linear_tma(x, w, b, y, "gelu", config=v)
-                run()
-                torch.cuda.synchronize()
-                row["rel_l2"][name] = ((y.float() - ref).norm() / ref.norm()).item()
-                row["ms"][name] = bench(run)
-            except Exception as exc:  # noqa: BLE001 - recorded per variant
-                row["ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            _time_variant(row, "tma " + "_".join(f"{k}{val}" for k, val in v.items()), ref, (M, N), dtype,
+                          lambda y, v=v: gemm_tma.launch_linear_tma(x, w, b, y, "gelu", config=v))
         # The warp-specialized Gluon kernel (kernels/gemm_ws.py): two consumer warpgroups in ping-pong.
-        for ws_cfg in (dict(), dict(GROUP_M=16), dict(STAGES=3)):
-            name = "gluon ws " + ("_".join(f"{k}{val}" for k, val in ws_cfg.items()) or "default")
-            try:
-                y = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-
-                def run_ws(c=ws_cfg, y=y):
-                    gemm_ws.launch(x, w, b, y, "gelu", config=c)
-                run_ws()
-                torch.cuda.synchronize()
-                row["rel_l2"][name] = ((y.float() - ref).norm() / ref.norm()).item()
-                row["ms"][name] = bench(run_ws)
-            except Exception as exc:  # noqa: BLE001 - recorded per variant
-                row["ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        for c in (dict(), dict(GROUP_M=16), dict(STAGES=3)):
+            _time_variant(row, "gluon ws " + ("_".join(f"{k}{val}" for k, val in c.items()) or "default"), ref,
+                          (M, N), dtype, lambda y, c=c: gemm_ws.launch(x, w, b, y, "gelu", config=c))
         rows.append(row)
         ws_rows = {k: v for k, v in row["ms"].items() if k.startswith("gluon")}
-        print(f"   gluon ws: " + ", ".join(f"{k} {v:.4f} ms" if isinstance(v, float) else f"{k} {v}"
+        print("   gluon ws: " + ", ".join(f"{k} {v:.4f} ms" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in ws_rows.items()), flush=True)
         best = min((v, k) for k, v in row["ms"].items() if isinstance(v, float) and k.startswith("tma"))
         print(f"M{M} K{K} N{N} {dtype_name}: cublas {row['ms']['cublas linear only']:.4f} "

@@ -165,7 +165,6 @@ def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     rows0 = m0 + WHICH * HALF_M
     _, _, full_start, full_end = key_tile_ranges(rows0, HALF_M, N_Q, N_K, pos_offset, window_left, window_right,

@@ -78,7 +78,6 @@ def _consumer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.con
     ready, empty = bars
     N = sizes[1]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
