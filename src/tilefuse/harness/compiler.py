@@ -29,14 +29,10 @@ def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: di
     and loops are not pipelined, so shared memory is under-counted for typical shapes. ``maxnreg``: the
     config's register cap, if it has one.
     """
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        job = json.dumps([module, kernel, signature, constexprs, num_warps, num_stages, list(aligned), maxnreg])
-        out = subprocess.run([sys.executable, "-m", "tilefuse.harness.compiler", job], env=env,
-                             capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(f"compiling {module}.{kernel} for sm_90a failed:\n{out.stderr[-4000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+    if _interpreting():
+        return _compile_in_child(f"{module}.{kernel}", [
+            "--triton", json.dumps([module, kernel, signature, constexprs, num_warps, num_stages, list(aligned),
+                                    maxnreg])])
     return _compile_here(getattr(importlib.import_module(module), kernel), signature, constexprs,
                          num_warps, num_stages, tuple(aligned), maxnreg)
 
@@ -97,13 +93,8 @@ def compile_gluon_sm90(module: str, job: str, kwargs: dict) -> dict:
     warp-specialized and its setmaxnreg values. ``module.job(**kwargs)`` returns (kernel, signature,
     constexprs, options): Gluon signatures name tensor descriptors with their shared layouts, which only
     the kernel's module knows how to build. Runs in a child process under the interpreter, as above."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        out = subprocess.run([sys.executable, "-m", "tilefuse.harness.compiler", "--gluon",
-                              json.dumps([module, job, kwargs])], env=env, capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(f"compiling {module}.{job} for sm_90a failed:\n{out.stderr[-4000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+    if _interpreting():
+        return _compile_in_child(f"{module}.{job}", ["--gluon", json.dumps([module, job, kwargs])])
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -115,11 +106,25 @@ def compile_gluon_sm90(module: str, job: str, kwargs: dict) -> dict:
     return _facts(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _compile_in_child(what: str, argv: list) -> dict:
+    """Under TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile: run this module in a
+    child process without it, and read the facts it prints."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "tilefuse.harness.compiler", *argv], env=env,
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"compiling {what} for sm_90a failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--gluon":
-        module, job, kwargs = json.loads(sys.argv[2])
-        print(json.dumps(compile_gluon_sm90(module, job, kwargs)))
-        sys.exit(0)
-    module, kernel, signature, constexprs, num_warps, num_stages, aligned, maxnreg = json.loads(sys.argv[1])
-    print(json.dumps(compile_sm90(module, kernel, signature, constexprs, num_warps, num_stages, tuple(aligned),
-                                  maxnreg)))
+        print(json.dumps(compile_gluon_sm90(*json.loads(sys.argv[2]))))
+    else:  # --triton
+        module, kernel, signature, constexprs, num_warps, num_stages, aligned, maxnreg = json.loads(sys.argv[2])
+        print(json.dumps(compile_sm90(module, kernel, signature, constexprs, num_warps, num_stages,
+                                      tuple(aligned), maxnreg)))
