@@ -2,7 +2,7 @@
 
 For each shape: cuBLAS linear alone, eager linear+gelu, cuBLASLt's GELU epilogue, the portable
 autotuned kernel, every pinned TMA config (with and without tl's warp_specialize, a no-op on sm_90), and
-the warp-specialized Gluon kernel (kernels/gemm_ws.py) in three configs. For each compiled
+the warp-specialized Gluon kernel (kernels/gemm_ws.py) in four configs (128x128 or 64x256 per consumer). For each compiled
 TMA variant it records registers, spills and whether the PTX uses wgmma. Prints a table and writes
 JSON to the path given (default gemm_variants.json).
 Run on the GPU:  PYTHONPATH=src python3 benchmarks/gemm_variants.py OUT.json [bf16|fp16]
@@ -60,7 +60,7 @@ def main(out_path="gemm_variants.json", dtype_name="bf16"):
             _time_variant(row, "tma " + "_".join(f"{k}{val}" for k, val in v.items()), ref, (M, N), dtype,
                           lambda y, v=v: gemm_tma.launch_linear_tma(x, w, b, y, "gelu", config=v))
         # The warp-specialized Gluon kernel (kernels/gemm_ws.py): two consumer warpgroups in ping-pong.
-        for c in (dict(), dict(GROUP_M=16), dict(STAGES=3)):
+        for c in (dict(), dict(GROUP_M=16), dict(BLOCK_M=64, BLOCK_N=256), dict(BLOCK_M=64, BLOCK_N=256, STAGES=3)):
             _time_variant(row, "gluon ws " + ("_".join(f"{k}{val}" for k, val in c.items()) or "default"), ref,
                           (M, N), dtype, lambda y, c=c: gemm_ws.launch(x, w, b, y, "gelu", config=c))
         rows.append(row)

@@ -11,26 +11,10 @@ Run anywhere:  PYTHONPATH=src python benchmarks/triton_launch_cpu.py
 from __future__ import annotations
 
 import torch
-from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
+from tilefuse.harness.host_path import StandInDriver
 from tilefuse.harness.timing import host_us
-
-
-class _StandInDriver:
-    """What JITFunction.run asks of the active driver, for device 0 (an sm_90 GPU) on stream 0."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_device_interface(self):
-        return torch.cuda
 
 
 class _CompiledStub:
@@ -60,7 +44,7 @@ def launch_cost_us(jit_fn, args: tuple, kwargs: dict, grid: tuple, calls: int = 
     return host_us(launch, calls=calls, rounds=rounds)
 
 def main() -> None:
-    driver.set_active(_StandInDriver())
+    driver.set_active(StandInDriver())
     from tilefuse.kernels import gemm_epilogue
 
     # The decode GEMM of the report (M = 16, K = N = 4096, bf16, GELU, split-K 4): 23 runtime arguments.

@@ -163,3 +163,82 @@ def test_forward_kernel_portable_reaches_the_portable_kernel(pinned_tuners):
     with pytest.raises(ValueError, match="kernel must be"):
         with forward_kernel("ws"):
             pass
+
+
+def _linear_inputs(M, K, N, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype),
+            torch.randn(N, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("M", [512, 16])  # the TMA kernel; the split-K decode kernel
+def test_linear_replays_its_launch_on_new_tensors(M, pinned_tuners):
+    """A second call with inputs of the same shapes, strides, dtypes and alignment replays the first
+    call's compiled launch (kernels/relaunch.py) with the second call's tensors: same grid and kernel
+    arguments, the new pointers, none of the first call's (a stale pointer would read freed memory)."""
+    import tilefuse
+    from tilefuse.ops import linear as linear_op
+    linear_op.clear_launch_plans()
+    x1, w1, b1 = _linear_inputs(M, 4096, 4096, seed=0)
+    x2, w2, b2 = _linear_inputs(M, 4096, 4096, seed=1)
+    with torch.no_grad(), stubbed_launches() as launches:
+        y1 = tilefuse.linear(x1, w1, b1, "gelu")
+        y2 = tilefuse.linear(x2, w2, b2, "gelu")
+    first, second = launches
+    assert not first.replay and second.replay
+    assert first.kernel == second.kernel and first.grid == second.grid
+    assert {k: v for k, v in first.kwargs.items() if k != "grid"} == second.kwargs
+    assert len(first.pointers) == len(second.pointers)
+    assert {x2.data_ptr(), w2.data_ptr(), b2.data_ptr(), y2.data_ptr()} <= set(second.pointers)
+    assert not {x1.data_ptr(), w1.data_ptr(), b1.data_ptr(), y1.data_ptr()} & set(second.pointers)
+    assert y2.shape == (M, 4096) and y2.dtype == torch.bfloat16 and y2.data_ptr() != y1.data_ptr()
+
+
+def test_linear_replays_only_calls_that_match_the_captured_one(pinned_tuners):
+    """Anything the checks or the dispatch read takes the full path again: another shape, dtype,
+    alignment (Triton specializes pointers on 16 bytes; TMA needs it), bias presence, activation,
+    grad mode; and bad input still gets its error after a replay exists."""
+    import tilefuse
+    from tilefuse.ops import linear as linear_op
+    linear_op.clear_launch_plans()
+    x, w, b = _linear_inputs(64, 256, 128)
+    flat = torch.randn(64 * 256 + 1).to(torch.bfloat16)
+    misaligned = flat[1:].view(64, 256)  # x's shape and strides, its address 2 bytes off 16
+    assert misaligned.stride() == x.stride() and misaligned.data_ptr() % 16 == 2
+    variants = [
+        lambda: tilefuse.linear(x[:32], w, b, "gelu"),
+        lambda: tilefuse.linear(x.half(), w.half(), b.half(), "gelu"),
+        lambda: tilefuse.linear(misaligned, w, b, "gelu"),
+        lambda: tilefuse.linear(x, w, None, "gelu"),
+        lambda: tilefuse.linear(x, w, b, "relu"),
+    ]
+    with stubbed_launches() as launches:
+        with torch.no_grad():
+            tilefuse.linear(x, w, b, "gelu")
+            tilefuse.linear(x, w, b, "gelu")
+            assert launches[-1].replay
+            for call in variants:
+                n = len(launches)
+                call()
+                assert launches[n:] and not any(launch.replay for launch in launches[n:])
+        w_grad = w.clone().requires_grad_(True)
+        with pytest.raises(NotImplementedError, match="no backward"):
+            tilefuse.linear(x, w_grad, b, "gelu")  # grad mode on and a weight that needs grad
+        with torch.no_grad(), pytest.raises(ValueError, match="weight"):
+            tilefuse.linear(x[:, :128], w, b, "gelu")
+
+
+def test_linear_replay_forgets_a_replaced_tuner_cache(pinned_tuners):
+    """A launch captured under one tuner cache is not replayed after the cache object is replaced: the
+    config the tuner would choose may differ (the same rule as the tuner's own hot path)."""
+    import tilefuse
+    from tilefuse.kernels import gemm_tma
+    from tilefuse.ops import linear as linear_op
+    linear_op.clear_launch_plans()
+    x, w, b = _linear_inputs(512, 1024, 1024)
+    with torch.no_grad(), stubbed_launches() as launches:
+        tilefuse.linear(x, w, b, "gelu")
+        gemm_tma.linear_tma_autotuned.cache = {}
+        tilefuse.linear(x, w, b, "gelu")
+        tilefuse.linear(x, w, b, "gelu")
+    assert [launch.replay for launch in launches] == [False, False, True]

@@ -267,3 +267,30 @@ def test_warp_specialized_gemm_matches_float64(config, activation, bias, dtype, 
     ref = reference.linear(x.double(), w.double(), b.double() if bias else None,
                            None if activation == "none" else activation)
     assert_close(y, ref, REL_L2_BOUND[dtype], f"gluon ws {config} {activation} {M}x{K}x{N}")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M", [1, 16, 512, 1000])  # split-K decode, the TMA kernel, a tail in M
+def test_replayed_launches_compute_each_calls_inputs(M, dtype):
+    """The host's fast path (launch plans in ops/linear.py): calls with fresh inputs of one signature --
+    the first captures its launch, the others replay it -- each match float64 on their own inputs, and
+    a misaligned view of the same shape (the full path: another specialization) too."""
+    from tilefuse.ops import linear as linear_op
+    linear_op.clear_launch_plans()
+    K, N = 4096, 1032
+    for seed in range(4):
+        x = _rand(M, K, device="cuda", dtype=dtype, seed=seed)
+        w = _rand(N, K, device="cuda", dtype=dtype, seed=seed + 10) * K ** -0.5
+        b = _rand(N, device="cuda", dtype=dtype, seed=seed + 20)
+        y = tilefuse.linear(x, w, b, "gelu")
+        if seed == 0:
+            assert len(linear_op._PLANS) == 1, "the first call captures its launch"
+        ref = reference.linear(x.double(), w.double(), b.double(), "gelu")
+        assert_close(y, ref, REL_L2_BOUND[dtype], f"replay {seed} M{M} {dtype}")
+    flat = _rand(M * K + 1, device="cuda", dtype=dtype, seed=9)
+    x_off = flat[1:].view(M, K)
+    y = tilefuse.linear(x_off, w, b, "gelu")
+    ref = reference.linear(x_off.double(), w.double(), b.double(), "gelu")
+    assert_close(y, ref, REL_L2_BOUND[dtype], f"misaligned M{M} {dtype}")
+    assert len(linear_op._PLANS) == 2

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from triton.runtime.driver import driver
+
 from tilefuse import runtime
 
 
@@ -23,6 +25,58 @@ class Launch:
     kernel: str
     grid: tuple
     kwargs: dict = field(repr=False)
+    replay: bool = False  # issued by kernels/relaunch.py, not through Triton's launch path
+    pointers: tuple = ()  # data_ptr() of every tensor argument, in parameter order
+
+
+def _pointers(values) -> tuple:
+    return tuple(v.data_ptr() for v in values if isinstance(v, torch.Tensor))
+
+
+class StandInDriver:
+    """What Triton's launch path asks of the active driver, for device 0 (an sm_``major``0 GPU) on
+    stream 0, on a machine without one."""
+
+    def __init__(self, major: int = 9):
+        self.major = major
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", self.major * 10, 32)
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+class StubCompiledKernel:
+    """What a launch returns once compiled, as far as kernels/relaunch.py uses it: its ``run`` -- the C
+    launcher's call, every parameter in order -- records a Launch (the kernel's own keyword arguments
+    read back from the positions the replay filled, and its launch options) instead of launching."""
+
+    function = None
+    packed_metadata = None
+
+    def __init__(self, name, arg_names, kwargs, grid_rank, launches):
+        self.name, self.arg_names, self.grid_rank, self.launches = name, list(arg_names), grid_rank, launches
+        self.kwarg_names = [k for k in kwargs if k in self.arg_names]
+        self.options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter_hook,
+            exit_hook, *args):
+        assert len(args) == len(self.arg_names), "a replay passes every parameter, constexprs included"
+        values = dict(zip(self.arg_names, args))
+        kwargs = {k: values[k] for k in self.kwarg_names}
+        self.launches.append(Launch(self.name, (grid_0, grid_1, grid_2)[:self.grid_rank],
+                                    {**kwargs, **self.options}, replay=True, pointers=_pointers(args)))
 
 
 def _launcher_classes():
@@ -43,11 +97,13 @@ def stubbed_launches(sms: int = 132, major: int = 9):
 
     def record(self, *args, grid=None, warmup=False, **kwargs):
         meta = {**dict(zip(self.arg_names, args)), **kwargs}
-        g = grid(meta) if callable(grid) else grid
-        launches.append(Launch(self.fn.__name__, tuple(g), kwargs))
+        g = tuple(grid(meta) if callable(grid) else grid)
+        launches.append(Launch(self.fn.__name__, g, kwargs, pointers=_pointers(meta.values())))
+        return StubCompiledKernel(self.fn.__name__, self.arg_names, kwargs, len(g), launches)
 
     saved = [(cls, cls.run) for cls in _launcher_classes()]
     saved_path, saved_facts = runtime.execution_path, runtime.device_facts
+    saved_driver, saved_device = driver._active, torch.cuda.current_device
     own_is_cuda = torch.Tensor.__dict__.get("is_cuda")  # normally inherited from the C base
     try:
         for cls, _ in saved:
@@ -55,11 +111,15 @@ def stubbed_launches(sms: int = 132, major: int = 9):
         runtime.execution_path = lambda t: runtime.COMPILED
         runtime.device_facts = lambda device: (major, sms)
         torch.Tensor.is_cuda = property(lambda self: True)  # the dispatch's "is this a GPU tensor" checks
+        driver.set_active(StandInDriver(major))  # what a replayed launch (kernels/relaunch.py) asks for
+        torch.cuda.current_device = lambda: 0
         yield launches
     finally:
         for cls, run in saved:
             cls.run = run
         runtime.execution_path, runtime.device_facts = saved_path, saved_facts
+        driver.set_active(saved_driver)
+        torch.cuda.current_device = saved_device
         if own_is_cuda is None:
             del torch.Tensor.is_cuda
         else:

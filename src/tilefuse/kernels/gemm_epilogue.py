@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import tuning
+from tilefuse.kernels import relaunch
 from tilefuse.kernels.tiling import cdiv, grouped_tile
 from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
 
@@ -208,10 +209,13 @@ def split_k_for(M: int, N: int, K: int, num_sms: int) -> int:
 
 
 def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
-                  activation, input_precision, interpret, w_up=None, b_up=None, split_k=1):
+                  activation, input_precision, interpret, w_up=None, b_up=None, split_k=1, capture=False):
     """Launch on 2-D-addressable operands; returns the config used (a dict or triton.Config).
 
     ``w_up``/``b_up`` are the up-projection of a gated activation (``activation`` in GATED_ACTIVATIONS).
+    ``capture`` (compiled, non-gated): returns (config, replay), where ``replay.call(x, w, b, y)`` issues this
+    launch again on tensors of the same shapes, strides, dtypes and 16-byte alignment
+    (kernels/relaunch.py), or None when it cannot.
     """
     gated = activation in GATED_ACTIVATIONS
     w_up = w_up if gated else w
@@ -245,9 +249,32 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
             return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), split_k)
 
         kernel = linear_splitk_autotuned if split_k > 1 else linear_epilogue_autotuned
-        kernel[grid](*args, **common, UPCAST_DOT=False)
+        common["UPCAST_DOT"] = False
+        if capture and not gated:
+            # Tensor arguments: x, w, bias (y when absent), y, w_up (= w), b_up (= y), workspace, counters.
+            r = relaunch.launch_and_capture(kernel, grid, args, common, positions=tuple(range(8)))
+            return kernel.best_config, None if r is None else _split_k_replay(r, split_k, ws.shape)
+        kernel[grid](*args, **common)
         chosen = kernel.best_config
+    if capture:
+        return chosen, None
     return chosen
+
+
+def _split_k_replay(r, split_k, ws_shape):
+    """The Replay of a captured launch_linear: a fresh fp32 workspace and this stream's
+    counters per call when K is split (the captured ones belong to the capture's call and stream)."""
+    if split_k == 1:
+        def replay(x, w, b, y):
+            r(x, w, y if b is None else b, y, w, y, y, y)
+        return relaunch.Replay(r, replay)
+    M, N = ws_shape[1], ws_shape[2]
+    tiles = cdiv(M, MIN_TILE) * cdiv(N, MIN_TILE)
+
+    def replay_split(x, w, b, y):
+        ws = torch.empty(ws_shape, dtype=torch.float32, device=y.device)
+        r(x, w, y if b is None else b, y, w, y, ws, tile_counters(y.device, tiles))
+    return relaunch.Replay(r, replay_split)
 
 
 MIN_TILE = 16  # no config tiles M or N finer (tl.dot needs 16): bounds the number of output tiles

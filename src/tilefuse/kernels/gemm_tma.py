@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from tilefuse import runtime, tuning
+from tilefuse.kernels import relaunch
 from tilefuse.kernels.tiling import cdiv, ensure_descriptor_allocator, grouped_tile
 from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
 from tilefuse.kernels.gemm_epilogue import prune_gated_configs
@@ -189,11 +190,14 @@ linear_tma_autotuned = tuning.autotune(
 
 
 def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, b_up=None,
-                      norm: tuple | None = None):
+                      norm: tuple | None = None, capture: bool = False):
     """Persistent TMA launch. ``config`` pins one config (benchmarks of variants); None autotunes.
     ``w_up``/``b_up``: the up-projection of a gated activation. ``norm``: (1 for LayerNorm or 2 for
     RMSNorm, eps, colsum fp32 [N] or None for RMSNorm) for layer_norm_linear, where ``w`` is the
-    gamma-folded weight and ``b`` the folded bias (kernels/norm_linear.py)."""
+    gamma-folded weight and ``b`` the folded bias (kernels/norm_linear.py).
+    ``capture`` (autotuned, non-gated, no norm): returns (config, replay), where ``replay.call(x2d, w, b, y)``
+    issues this launch again on tensors of the same shapes, strides, dtypes and 16-byte alignment
+    (kernels/relaunch.py), or None when it cannot."""
     ensure_descriptor_allocator()
     M, K = x2d.shape
     N = w.shape[0]
@@ -217,5 +221,15 @@ def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None, w_up
         linear_tma_kernel[grid(cfg.kwargs)](*args, **common, **cfg.kwargs, num_warps=cfg.num_warps,
                                             num_stages=cfg.num_stages)
         return cfg
-    linear_tma_autotuned[grid](*args, **common)
-    return linear_tma_autotuned.best_config
+    if not capture:
+        linear_tma_autotuned[grid](*args, **common)
+        return linear_tma_autotuned.best_config
+    assert not gated and norm is None, "replay covers the plain linear epilogue"
+    # Tensor arguments: x, w, bias (y when absent), y, w_up (= w), b_up (= y).
+    r = relaunch.launch_and_capture(linear_tma_autotuned, grid, args, common, positions=(0, 1, 2, 3, 4, 5))
+    if r is None:
+        return linear_tma_autotuned.best_config, None
+
+    def replay(x2d, w, b, y):
+        r(x2d, w, y if b is None else b, y, w, y)
+    return linear_tma_autotuned.best_config, relaunch.Replay(r, replay)

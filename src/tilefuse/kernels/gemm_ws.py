@@ -6,10 +6,12 @@ Fuses the same work as gemm_tma.py, with the same HBM bytes: (M*K + N*K + M*N)*s
 on sm_90 (sessions 3 and 5, benchmarks/NOTES.md): one warp only issues the TMA loads of the K steps of
 every output tile the CTA owns, into a ring of shared buffers; two consumer warpgroups take the CTA's
 tiles in turn (even, odd), each computing a whole BLOCK_M x BLOCK_N tile on wgmma. While one consumer runs
-its epilogue (bias, activation, the TMA store), the other's main loop keeps the tensor cores busy: the
-ring hands K steps out in tile order, so the two main loops alternate by construction.
-Status: written and compiled for sm_90a (tests/test_sm90_compile.py), not yet run on a GPU; it is not
-dispatched by tilefuse.linear. benchmarks/gemm_variants.py measures it against linear_tma_kernel.
+its epilogue (bias, activation, the TMA store), the other's main loop keeps the tensor cores busy. The
+main loops take turns through a pair of mbarriers (CUTLASS's "order barrier"): a consumer starts waiting
+on the ring only after the other has taken its last K step, so no consumer waits on a ring slot more
+than one lap ahead of the producer, where an mbarrier's parity cannot tell the two laps apart.
+Status: compiled for sm_90a (tests/test_sm90_compile.py); benchmarks/gemm_variants.py measures it against
+linear_tma_kernel.
 Limits: as gemm_tma.py (row-contiguous x and y, K-contiguous w, 16-byte-aligned rows), fp16/bf16, no
 gated activations.
 """
@@ -49,7 +51,7 @@ def _producer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.con
               GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
     """One warp: the K steps of every tile of this CTA, in tile order, through the ring."""
     x_bufs, w_bufs, y_bufs = bufs
-    ready, empty = bars
+    ready, empty, turns = bars
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -75,7 +77,7 @@ def _consumer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.con
               GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
     """Consumer WHICH (0 or 1): the CTA's tiles WHICH, WHICH + 2, ...; main loop, then the epilogue."""
     x_bufs, w_bufs, y_bufs = bufs
-    ready, empty = bars
+    ready, empty, turns = bars
     N = sizes[1]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -85,10 +87,16 @@ def _consumer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.con
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     num_pid_m, num_pid_n, k_steps = _tile_counts(x_desc, w_desc, sizes)
     y_buf = y_bufs.index(WHICH)
+    my_turn = turns.index(WHICH)
+    other_turn = turns.index(1 - WHICH)
     i = 0  # this CTA's tile count: tile i's K steps are ring steps i * k_steps ... (i + 1) * k_steps - 1
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
         if i % 2 == WHICH:
             pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            # Main loops in tile order: tile i's waits on the ring start after tile i - 1's have passed.
+            # The i-th turn of consumer 1 follows consumer 0's (i // 2)-th main loop; consumer 0's first
+            # turn is free (a fresh mbarrier's phase "-1", parity 1, counts as complete).
+            mbarrier.wait(my_turn, ((i // 2) & 1) ^ (1 - WHICH))
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             for kk in range(k_steps):
                 step = i * k_steps + kk
@@ -98,6 +106,7 @@ def _consumer(x_desc, w_desc, y_desc, b_ptr, bufs, bars, sizes, HAS_BIAS: gl.con
                 # One wgmma in flight: the previous step's is done, so its buffers go back to the producer.
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+            mbarrier.arrive(other_turn, count=1)  # every K step of this tile is taken: the other's turn
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(empty.index((i * k_steps + k_steps - 1) % STAGES), count=1)
 
@@ -126,8 +135,11 @@ def linear_ws_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, HAS_BIAS: gl.conste
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)  # each K step belongs to exactly one consumer
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(turns.index(c), count=1)
     bufs = (x_bufs, w_bufs, y_bufs)
-    bars = (ready, empty)
+    bars = (ready, empty, turns)
     sizes = (M, N, K)
     # Constexprs go as separate arguments (inside a tuple they would become runtime values).
     gl.warp_specialize([

@@ -128,6 +128,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if activation is not None and activation not in ACTIVATIONS + GATED_ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS + GATED_ACTIVATIONS}, got {activation!r}")
+    plan_key = _plan_key(x, weight, bias, activation)
+    if plan_key is not None:
+        plan = _PLANS.get(plan_key)
+        if plan is not None and plan.replay.current():
+            return plan(x, weight, bias)
     gated = activation in GATED_ACTIVATIONS
     if gated:
         weight, w_up, bias, b_up = _split_gated(weight, bias, activation)
@@ -141,6 +146,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_up = b_up = None
         check_linear_args(x, weight, bias, activation)
         check_no_grad_needed("linear", x, weight, bias)
+    bias_in = bias
     bias, b_up = dense(bias), dense(b_up)
     path = runtime.execution_path(x)
     last_config.update(config=None, path=path, kernel=None)
@@ -158,6 +164,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M == 0 or N == 0:
         return y
     x_rows, m_inner, s_outer, s_inner, s_k = _row_addressing(x)
+    # A launch is captured for replay when its call can be keyed and nothing was copied on the way.
+    plannable = plan_key is not None and not gated and x_rows is x and bias is bias_in
     if x.dtype == torch.float32:
         precision = "tf32" if (x.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
     else:
@@ -170,11 +178,76 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         x2d = x_rows.as_strided((M, K), (s_inner, 1))
         if gemm_tma.tma_supported(x2d, weight, y2d, *([w_up] if gated else [])):
-            cfg = gemm_tma.launch_linear_tma(x2d, weight, bias, y2d, activation, w_up=w_up, b_up=b_up)
+            if not plannable:
+                cfg = gemm_tma.launch_linear_tma(x2d, weight, bias, y2d, activation, w_up=w_up, b_up=b_up)
+            else:
+                cfg, replay = gemm_tma.launch_linear_tma(x2d, weight, bias, y2d, activation, capture=True)
+                _remember_plan(plan_key, replay, cfg, "tma", out_shape)
             last_config.update(config=cfg, kernel="tma")
             return y
-    cfg = launch_linear(x_rows, m_inner, s_outer, s_inner, s_k, weight, bias, y2d, M, N, K,
-                        activation, precision, interpret=(path == runtime.INTERPRETER), w_up=w_up, b_up=b_up,
-                        split_k=split_k)
-    last_config.update(config=cfg, kernel="portable" if split_k == 1 else f"split-k {split_k}")
+    kernel = "portable" if split_k == 1 else f"split-k {split_k}"
+    if not plannable or path != runtime.COMPILED:
+        cfg = launch_linear(x_rows, m_inner, s_outer, s_inner, s_k, weight, bias, y2d, M, N, K,
+                            activation, precision, interpret=(path == runtime.INTERPRETER), w_up=w_up, b_up=b_up,
+                            split_k=split_k)
+    else:
+        cfg, replay = launch_linear(x_rows, m_inner, s_outer, s_inner, s_k, weight, bias, y2d, M, N, K,
+                                    activation, precision, interpret=False, split_k=split_k, capture=True)
+        _remember_plan(plan_key, replay, cfg, kernel, out_shape)
+    last_config.update(config=cfg, kernel=kernel)
     return y
+
+
+# ---- launch plans: the host's fast path -----------------------------------------------------------
+# A decode GEMM runs for ~20 us on the H200, less than the host needs for the checks above plus Triton's
+# launch path, so such calls measured the host. A call whose every input has the shape, strides, dtype,
+# device, grad flags and 16-byte alignment of an earlier call that passed the checks takes that call's
+# path and config again: it replays the captured launch (kernels/relaunch.py) with the new tensors.
+# Everything the checks and the dispatch read is in the key, so a hit needs neither.
+_PLANS: dict = {}
+_MAX_PLANS = 4096  # distinct signatures kept; beyond that new ones simply take the full path
+
+
+def _tensor_key(t):
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16)
+
+
+def _plan_key(x, weight, bias, activation):
+    """The call's key, or None when it has no plan: not all CUDA tensors, a gated activation (its weight
+    pair is split into views per call), or tensors without strides (sparse)."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and isinstance(weight, torch.Tensor)
+            and (bias is None or isinstance(bias, torch.Tensor)) and activation not in GATED_ACTIVATIONS):
+        return None
+    try:
+        return (activation, _tensor_key(x), _tensor_key(weight), None if bias is None else _tensor_key(bias),
+                torch.is_grad_enabled(), torch.cuda.current_device(),
+                x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:  # no strides or data pointer: the full path reports what is wrong
+        return None
+
+
+class _Plan:
+    """A replay of the call that created it. Triton pointer arguments read only the data pointer and
+    dtype, so x and y go in whole: the [M, K] / [M, N] views the full path launched on start at the same
+    address."""
+
+    __slots__ = ("replay", "config", "kernel", "out_shape")
+
+    def __init__(self, replay, config, kernel, out_shape):
+        self.replay, self.config, self.kernel, self.out_shape = replay, config, kernel, out_shape
+
+    def __call__(self, x, weight, bias):
+        y = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        self.replay.call(x, weight, bias, y)
+        last_config.update(config=self.config, path=runtime.COMPILED, kernel=self.kernel)
+        return y
+
+
+def _remember_plan(key, replay, config, kernel, out_shape) -> None:
+    if replay is not None and len(_PLANS) < _MAX_PLANS:
+        _PLANS[key] = _Plan(replay, config, kernel, out_shape)
+
+
+def clear_launch_plans() -> None:
+    """Forget every captured launch (tests; after changing tuned configs in this process)."""
+    _PLANS.clear()
