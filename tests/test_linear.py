@@ -154,6 +154,8 @@ def test_split_k_path_matches_reference(device, activation, monkeypatch):
     # runs in slice order) and leave every arrival counter at zero for the next launch.
     import tilefuse.ops.linear as L
     monkeypatch.setattr(L, "_split_k", lambda M, N, K, path, device: 3)
+    from tilefuse.kernels import gemm_epilogue
+    monkeypatch.setattr(gemm_epilogue, "_WORKSPACES", {})  # this test's workspace comes from poisoned_empty
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):  # the partials workspace and y start as NaN, never stale data
@@ -173,7 +175,6 @@ def test_split_k_path_matches_reference(device, activation, monkeypatch):
     else:
         ref = reference.linear(x.double(), w.double(), b.double(), activation)
     assert_close(out, ref, 1e-5, f"split-k {activation}")
-    from tilefuse.kernels import gemm_epilogue
     assert torch.equal(tilefuse.linear(x, w, b, activation), out)
     counters = [c for (kind, _, _), c in gemm_epilogue._COUNTERS.items() if kind == torch.device(device).type]
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)

@@ -231,8 +231,9 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
         # Slices are whole multiples of the largest BLOCK_K in use, so no K step straddles two slices.
         k_split_len = cdiv(cdiv(K, split_k), tuning.SPLIT_K_ALIGN) * tuning.SPLIT_K_ALIGN
         split_k = cdiv(K, k_split_len)
-        ws = torch.empty(((2 if gated else 1) * split_k, M, N), dtype=torch.float32, device=y.device)
-        counters = tile_counters(y.device, cdiv(M, MIN_TILE) * cdiv(N, MIN_TILE))
+        stream = stream_id(y.device)
+        ws = split_k_workspace(y.device, ((2 if gated else 1) * split_k, M, N), stream)
+        counters = tile_counters(y.device, cdiv(M, MIN_TILE) * cdiv(N, MIN_TILE), stream)
     common["SPLIT_K"] = split_k
     args = (x, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y, ws, counters,
             M, N, K, tuning.m_bucket(M), k_split_len, m_inner,
@@ -262,8 +263,8 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
 
 
 def _split_k_replay(r, split_k, ws_shape):
-    """The Replay of a captured launch_linear: a fresh fp32 workspace and this stream's
-    counters per call when K is split (the captured ones belong to the capture's call and stream)."""
+    """The Replay of a captured launch_linear: this stream's workspace and counters per call when K is
+    split (the captured ones belong to the capture's stream)."""
     if split_k == 1:
         def replay(x, w, b, y):
             r(x, w, y if b is None else b, y, w, y, y, y)
@@ -272,20 +273,45 @@ def _split_k_replay(r, split_k, ws_shape):
     tiles = cdiv(M, MIN_TILE) * cdiv(N, MIN_TILE)
 
     def replay_split(x, w, b, y):
-        ws = torch.empty(ws_shape, dtype=torch.float32, device=y.device)
-        r(x, w, y if b is None else b, y, w, y, ws, tile_counters(y.device, tiles))
+        stream = stream_id(y.device)
+        r(x, w, y if b is None else b, y, w, y, split_k_workspace(y.device, ws_shape, stream),
+          tile_counters(y.device, tiles, stream))
     return relaunch.Replay(r, replay_split)
 
 
 MIN_TILE = 16  # no config tiles M or N finer (tl.dot needs 16): bounds the number of output tiles
 _COUNTERS: dict = {}
+_WORKSPACES: dict = {}
 
 
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+def stream_id(device: torch.device) -> int:
+    """The current stream's handle on ``device`` (0 off the GPU): Triton's own getter, a fraction of
+    ``torch.cuda.current_stream(device)``'s host cost on the decode GEMM's launch path."""
+    if device.type != "cuda":
+        return 0
+    from triton.runtime.driver import driver
+    return driver.active.get_current_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_k_workspace(device: torch.device, shape: tuple, stream: int) -> torch.Tensor:
+    """The fp32 partial sums of a split-K launch, ``shape`` (slices, M, N): a view of one buffer per (device,
+    stream), grown as needed. Launches on one stream run in order and each writes every partial it reads,
+    so they can share it; two streams must not. Saves an allocation per decode call."""
+    key = (device.type, device.index, stream)
+    numel = shape[0] * shape[1] * shape[2]
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
+        _WORKSPACES[key] = buf
+    return buf[:numel].view(shape)
+
+
+def tile_counters(device: torch.device, tiles: int, stream: int | None = None) -> torch.Tensor:
     """Zeroed int32 split-K arrival counters, one per output tile, kept per (device, stream): every
     launch leaves them at zero again, so one zeroing serves all later launches; two streams running
     split-K at once must not share them."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if stream is None:
+        stream = stream_id(device)
     key = (device.type, device.index, stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < tiles:

@@ -20,9 +20,10 @@ from triton.runtime.driver import driver
 
 class Relaunch:
     """A captured launch. ``relaunch(*tensors)`` issues it again with the arguments at ``positions``
-    replaced by ``tensors`` (same order), on the current device's current stream."""
+    replaced by ``tensors`` (same order), on the current stream of the device that was current at
+    capture (a caller's key must include the current device)."""
 
-    __slots__ = ("_kernel", "_grid", "_args", "_positions", "_tuner", "_tuner_state")
+    __slots__ = ("_kernel", "_grid", "_args", "_positions", "_tuner", "_tuner_state", "_device", "_stream_of")
 
     def __init__(self, kernel, grid, args, positions, tuner):
         self._kernel = kernel
@@ -31,6 +32,9 @@ class Relaunch:
         self._positions = positions
         self._tuner = tuner
         self._tuner_state = (tuner.cache, tuner.configs)
+        # The compiled function belongs to the device current at capture: callers key replays on it.
+        self._device = driver.active.get_current_device()
+        self._stream_of = driver.active.get_current_stream
 
     def current(self) -> bool:
         """False once the tuner's config cache or space was replaced (tests, `tilefuse.tuning` resets):
@@ -43,7 +47,7 @@ class Relaunch:
             args[pos] = t
         k = self._kernel
         g0, g1, g2 = self._grid
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        stream = self._stream_of(self._device)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         meta = None if enter is None else k.launch_metadata(self._grid, stream, *args)
         k.run(g0, g1, g2, stream, k.function, k.packed_metadata, meta, enter, leave, *args)
