@@ -254,7 +254,7 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
         if capture and not gated:
             # Tensor arguments: x, w, bias (y when absent), y, w_up (= w), b_up (= y), workspace, counters.
             r = relaunch.launch_and_capture(kernel, grid, args, common, positions=tuple(range(8)))
-            return kernel.best_config, None if r is None else _split_k_replay(r, split_k, ws.shape)
+            return kernel.best_config, None if r is None else _split_k_replay(r, split_k, tuple(ws.shape))
         kernel[grid](*args, **common)
         chosen = kernel.best_config
     if capture:
@@ -298,12 +298,17 @@ def split_k_workspace(device: torch.device, shape: tuple, stream: int) -> torch.
     stream), grown as needed. Launches on one stream run in order and each writes every partial it reads,
     so they can share it; two streams must not. Saves an allocation per decode call."""
     key = (device.type, device.index, stream)
+    entry = _WORKSPACES.get(key)  # (buffer, {shape: view of it})
+    view = None if entry is None else entry[1].get(shape)
+    if view is not None:
+        return view
     numel = shape[0] * shape[1] * shape[2]
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=torch.float32, device=device)
-        _WORKSPACES[key] = buf
-    return buf[:numel].view(shape)
+    if entry is None or entry[0].numel() < numel:
+        entry = (torch.empty(numel, dtype=torch.float32, device=device), {})
+        _WORKSPACES[key] = entry
+    view = entry[0][:numel].view(shape)
+    entry[1][shape] = view
+    return view
 
 
 def tile_counters(device: torch.device, tiles: int, stream: int | None = None) -> torch.Tensor:
