@@ -242,3 +242,28 @@ def test_linear_replay_forgets_a_replaced_tuner_cache(pinned_tuners):
         tilefuse.linear(x, w, b, "gelu")
         tilefuse.linear(x, w, b, "gelu")
     assert [launch.replay for launch in launches] == [False, False, True]
+
+
+def test_capture_refuses_a_launch_that_is_not_its_own(pinned_tuners, monkeypatch):
+    """If another thread launches through the same tuner between a capture's launch and its read of the
+    tuner's record, the record holds that thread's arguments: no replay is made from it."""
+    import tilefuse
+    from tilefuse.kernels import gemm_tma
+    from tilefuse.ops import linear as linear_op
+    linear_op.clear_launch_plans()
+    x, w, b = _linear_inputs(512, 1024, 1024)
+    tuner = gemm_tma.linear_tma_autotuned
+    real_run = type(tuner).run
+
+    def run_then_other_thread(self, *args, **kwargs):
+        ret = real_run(self, *args, **kwargs)
+        if self.keep_last_launch:
+            compiled, launched, kw, config = self.last_launch
+            self.last_launch = (compiled, (launched[0].clone(),) + launched[1:], kw, config)
+        return ret
+
+    monkeypatch.setattr(type(tuner), "run", run_then_other_thread)
+    with torch.no_grad(), stubbed_launches() as launches:
+        tilefuse.linear(x, w, b, "gelu")
+        tilefuse.linear(x, w, b, "gelu")
+    assert [launch.replay for launch in launches] == [False, False] and not linear_op._PLANS

@@ -77,7 +77,9 @@ def launch_and_capture(tuner, grid, args: tuple, kwargs: dict, positions: tuple[
         tuner.keep_last_launch = False
     if last is None:
         return None
-    compiled, args, kwargs, config = last
+    compiled, launched_args, kwargs, config = last
+    if len(launched_args) != len(args) or any(a is not b for a, b in zip(launched_args, args)):
+        return None  # another thread launched through this tuner in between: not our launch
     if config is None or config.pre_hook is not None or not hasattr(compiled, "packed_metadata"):
         return None
     kwargs = {**kwargs, **config.all_kwargs()}
