@@ -10,8 +10,12 @@ its epilogue (bias, activation, the TMA store), the other's main loop keeps the 
 main loops take turns through a pair of mbarriers (CUTLASS's "order barrier"): a consumer starts waiting
 on the ring only after the other has taken its last K step, so no consumer waits on a ring slot more
 than one lap ahead of the producer, where an mbarrier's parity cannot tell the two laps apart.
-Status: compiled for sm_90a (tests/test_sm90_compile.py); benchmarks/gemm_variants.py measures it against
-linear_tma_kernel.
+Status: correct on the H200 (tests/test_linear.py) and compiled for sm_90a in CI, but slower than
+linear_tma_kernel's best config at every bench shape (benchmarks/gemm_variants.py, session 7: 1.03-1.08x
+the time at the two large K = 4096 shapes, 1.36-1.48x at K <= 1024, 1.6x at M = 512), so tilefuse.linear
+does not dispatch to it. Ping-pong
+serializes the main loops: one warpgroup's m64 wgmmas alone keep the tensor cores less busy than the tl
+kernel's two warpgroups issuing together, and with one tile per CTA (M = 512) one consumer sits idle.
 Limits: as gemm_tma.py (row-contiguous x and y, K-contiguous w, 16-byte-aligned rows), fp16/bf16, no
 gated activations.
 """

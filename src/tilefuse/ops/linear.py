@@ -125,6 +125,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``act(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up)`` of shape ``[..., N]``: ``weight`` is the pair
     ``(W_gate, W_up)`` (each ``[N, K]``, read in place) or one ``[2N, K]`` tensor ``cat([W_gate, W_up])``;
     ``bias`` likewise a pair, ``[2N]`` or None.
+
+    Host cost: a non-gated CUDA call whose inputs have the shapes, strides, dtypes, devices, grad flags
+    and 16-byte alignment of an earlier call replays that call's launch (see "launch plans" below), so a
+    decode-size GEMM is not bound by Python. ``clear_launch_plans()`` forgets them.
     """
     if activation is not None and activation not in ACTIVATIONS + GATED_ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS + GATED_ACTIVATIONS}, got {activation!r}")
