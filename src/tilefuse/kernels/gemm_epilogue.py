@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.driver import driver
 
 from tilefuse import tuning
 from tilefuse.kernels import relaunch
@@ -254,7 +255,7 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
         if capture and not gated:
             # Tensor arguments: x, w, bias (y when absent), y, w_up (= w), b_up (= y), workspace, counters.
             r = relaunch.launch_and_capture(kernel, grid, args, common, positions=tuple(range(8)))
-            return kernel.best_config, None if r is None else _split_k_replay(r, split_k, tuple(ws.shape))
+            return kernel.best_config, None if r is None else _launch_linear_replay(r, split_k, tuple(ws.shape))
         kernel[grid](*args, **common)
         chosen = kernel.best_config
     if capture:
@@ -262,7 +263,7 @@ def launch_linear(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K,
     return chosen
 
 
-def _split_k_replay(r, split_k, ws_shape):
+def _launch_linear_replay(r, split_k, ws_shape):
     """The Replay of a captured launch_linear: this stream's workspace and counters per call when K is
     split (the captured ones belong to the capture's stream)."""
     if split_k == 1:
@@ -289,7 +290,6 @@ def stream_id(device: torch.device) -> int:
     ``torch.cuda.current_stream(device)``'s host cost on the decode GEMM's launch path."""
     if device.type != "cuda":
         return 0
-    from triton.runtime.driver import driver
     return driver.active.get_current_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 

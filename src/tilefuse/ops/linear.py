@@ -182,22 +182,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         x2d = x_rows.as_strided((M, K), (s_inner, 1))
         if gemm_tma.tma_supported(x2d, weight, y2d, *([w_up] if gated else [])):
-            if not plannable:
-                cfg = gemm_tma.launch_linear_tma(x2d, weight, bias, y2d, activation, w_up=w_up, b_up=b_up)
-            else:
+            if plannable:
                 cfg, replay = gemm_tma.launch_linear_tma(x2d, weight, bias, y2d, activation, capture=True)
                 _remember_plan(plan_key, replay, cfg, "tma", out_shape)
+            else:
+                cfg = gemm_tma.launch_linear_tma(x2d, weight, bias, y2d, activation, w_up=w_up, b_up=b_up)
             last_config.update(config=cfg, kernel="tma")
             return y
     kernel = "portable" if split_k == 1 else f"split-k {split_k}"
-    if not plannable or path != runtime.COMPILED:
-        cfg = launch_linear(x_rows, m_inner, s_outer, s_inner, s_k, weight, bias, y2d, M, N, K,
-                            activation, precision, interpret=(path == runtime.INTERPRETER), w_up=w_up, b_up=b_up,
-                            split_k=split_k)
-    else:
+    if plannable:  # a CUDA call (plan_key says so), non-gated
         cfg, replay = launch_linear(x_rows, m_inner, s_outer, s_inner, s_k, weight, bias, y2d, M, N, K,
                                     activation, precision, interpret=False, split_k=split_k, capture=True)
         _remember_plan(plan_key, replay, cfg, kernel, out_shape)
+    else:
+        cfg = launch_linear(x_rows, m_inner, s_outer, s_inner, s_k, weight, bias, y2d, M, N, K,
+                            activation, precision, interpret=(path == runtime.INTERPRETER), w_up=w_up, b_up=b_up,
+                            split_k=split_k)
     last_config.update(config=cfg, kernel=kernel)
     return y
 
