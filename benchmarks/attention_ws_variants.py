@@ -16,8 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tilefuse.harness.stats import error_stats
 from tilefuse.harness.timing import bench_ms, host_us
-from tilefuse.kernels import attention_ws
-from tilefuse.kernels.attention import LOG2E, launch_attention
+from tilefuse.kernels.attention.launch import LOG2E, _launch, _launch_ws
 from tilefuse.registry import REGISTRY
 
 # Session 6, call 3 compared PINGPONG, STAGES and BLOCK_N (ws_variants_s6.log), call 6 host against device
@@ -62,8 +61,8 @@ def main(out_path, quick=False):
         right = 0 if causal else -1
 
         def portable():
-            launch_attention(q, k, v, out, None, None, scale=d ** -0.5, pos_offset=Nk - Nq, window_left=-1,
-                             window_right=right, input_precision="tf32", interpret=False, kernel="portable")
+            _launch(q, k, v, out, None, None, scale=d ** -0.5, pos_offset=Nk - Nq, window_left=-1,
+                    window_right=right, input_precision="tf32", interpret=False, kernel="portable")
         portable()
         row["rel_l2_vs_cudnn"]["portable"] = error_stats(out, ref).rel_l2
         row["ms"]["portable"] = bench_ms(portable)
@@ -73,8 +72,8 @@ def main(out_path, quick=False):
             out = torch.full_like(q, float("nan"))
 
             def ws():
-                attention_ws.launch(q, k, v, out, None, qk_scale=d ** -0.5 * LOG2E, pos_offset=Nk - Nq,
-                                    window_left=-1, window_right=right, config=variant)
+                _launch_ws(q, k, v, out, None, qk_scale=d ** -0.5 * LOG2E, pos_offset=Nk - Nq,
+                           window_left=-1, window_right=right, config=variant)
             try:
                 ws()
                 torch.cuda.synchronize()

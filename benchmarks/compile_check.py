@@ -1,20 +1,21 @@
 """Compiler facts (registers, spills, shared memory, wgmma) of the GEMM kernel variants for sm_90a,
 without a GPU. Run: PYTHONPATH=src:benchmarks python benchmarks/compile_check.py [OUT.json [gemm|norm ...]]"""
 import sys
+from pathlib import Path
 
-from rows import collect
-from tilefuse import tuning
-from tilefuse.harness.compiler import compile_sm90
-from tilefuse.kernels.gemm_epilogue import prune_gated_configs
-from tilefuse.kernels.gemm_tma import _tma_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/tools: the sm_90a compiler
+
+from rows import collect  # noqa: E402
+from tilefuse.kernels.gemm.configs import TMA_GEMM_CONFIGS, prune_gated_configs, tma_config  # noqa: E402
+from tools.compiler import compile_sm90  # noqa: E402
 
 def tma_variants():
     """Every config of the space, gated ones too: rows record whether the launcher's prune keeps it,
     so the facts show why the pruned ones are pruned."""
-    space = [_tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS]
+    space = [tma_config(**c) for c in TMA_GEMM_CONFIGS]
     for activation, gated in (("gelu", False), ("swiglu", True)):
         kept_space = [(k.kwargs, k.num_warps, k.num_stages) for k in prune_gated_configs(space, {}, GATED=gated)]
-        for c, cfg in zip(tuning.TMA_GEMM_CONFIGS, space):
+        for c, cfg in zip(TMA_GEMM_CONFIGS, space):
             kept = (cfg.kwargs, cfg.num_warps, cfg.num_stages) in kept_space
             for ws in (False, True):
                 yield activation, gated, c, ws, kept
@@ -25,7 +26,7 @@ def facts_rows():
         consts = dict(HAS_BIAS=True, ACTIVATION=activation, GATED=gated, NORM=0, NUM_SMS=132, BLOCK_M=c["bm"],
                       BLOCK_N=c["bn"], BLOCK_K=c["bk"], GROUP_M=8, EPILOGUE_SUBTILE=c.get("subtile", True),
                       WARP_SPECIALIZE=ws)
-        facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", "*bf16", consts, c["warps"], c["stages"])
+        facts = compile_sm90("tilefuse.kernels.gemm.tma", "linear_tma_kernel", "*bf16", consts, c["warps"], c["stages"])
         yield {"kernel": "linear_tma", "activation": activation, **c, "ws": ws, "launcher_keeps": kept, **facts}
 
 
@@ -37,12 +38,12 @@ NORM_ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "wu_ptr", "bu_ptr", "N", "K"
 
 def norm_rows():
     for norm in (1, 2):
-        for c in tuning.TMA_GEMM_CONFIGS:
+        for c in TMA_GEMM_CONFIGS:
             consts = dict(HAS_BIAS=True, ACTIVATION="none", GATED=False, NORM=norm, NUM_SMS=132, BLOCK_M=c["bm"],
                           BLOCK_N=c["bn"], BLOCK_K=c["bk"], GROUP_M=8, EPILOGUE_SUBTILE=c.get("subtile", True),
                           WARP_SPECIALIZE=False)
             sig = {"*": "*bf16", "b_ptr": "*fp32", "bu_ptr": "*fp32", "eps": "fp32"}
-            facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", sig, consts, c["warps"],
+            facts = compile_sm90("tilefuse.kernels.gemm.tma", "linear_tma_kernel", sig, consts, c["warps"],
                                  c["stages"], aligned=NORM_ALIGNED)
             yield {"kernel": "linear_tma", "norm": {1: "layer", 2: "rms"}[norm], **c, "ws": False, **facts}
 

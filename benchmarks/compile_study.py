@@ -13,15 +13,21 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # kernels must be JITFunctions, not interpreter objects
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/tools: the sm_90a compiler
 
 import triton.compiler  # noqa: E402
 
-from tilefuse import tuning  # noqa: E402
-from tilefuse.harness.compiler import compile_sm90  # noqa: E402
-from tilefuse.kernels import attention as att, norms as nm, softmax as sm  # noqa: E402
-from tilefuse.kernels.tiling import next_pow2  # noqa: E402
+import tilefuse.kernels.attention.portable  # noqa: E402,F401  (job() finds kernels in sys.modules)
+import tilefuse.kernels.norms.kernels  # noqa: E402,F401
+import tilefuse.kernels.softmax.kernels  # noqa: E402,F401
+from tilefuse.kernels.attention import launch as att  # noqa: E402
+from tilefuse.kernels.norms import launch as nm  # noqa: E402
+from tilefuse.kernels.softmax import launch as sm  # noqa: E402
+from tilefuse.sizes import m_bucket, next_pow2  # noqa: E402
+from tools.compiler import compile_sm90  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
 BF16, FP32 = "*bf16", "*fp32"
@@ -75,7 +81,7 @@ class _Elem2:  # stands in for q in the autotune prune (reads q.element_size() o
 
 
 def attention_jobs():
-    A = "tilefuse.kernels.attention", "attention_fwd_kernel"
+    A = "tilefuse.kernels.attention.portable", "attention_fwd_kernel"
     for d in (64, 128, 256):
         B, H, N = 4, 2048 // d, 4096  # the n = 4096 bench case: B = 16384 // n, H = 2048 // d, MHA
         kept = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
@@ -105,12 +111,12 @@ def attention_jobs():
 
 
 def softmax_jobs():
-    M = "tilefuse.kernels.softmax"
+    M = "tilefuse.kernels.softmax.kernels"
     for R, N in SHAPES + SPLIT_SHAPES:
         p = sm.plan(R, R, N, False, 2, sm.GPU_CAPS)
         tens = lambda *names: {f"{k}_ptr": BF16 for k in names}  # noqa: E731
         st = lambda *names: {f"stride_{k}{s}": v for k in names for s, v in (("o", 0), ("i", N), ("n", 1))}  # noqa: E731
-        keys = dict(KEY_N=tuning.m_bucket(N), KEY_R=tuning.m_bucket(R))
+        keys = dict(KEY_N=m_bucket(N), KEY_R=m_bucket(R))
         common = dict(op="softmax", shape=[R, N], mode=p.mode)
         if p.mode == "split":
             seg = dict(N=N, R=R, R_INNER=R, SEG_LEN=p.seg_len, S=p.segments)
@@ -127,8 +133,8 @@ def softmax_jobs():
                       **st("y", "dy", "dx")}, dict(BLOCK_S=next_pow2(p.segments), **ws), p.num_warps,
                       **common, BLOCK_N=p.block_n)
             continue
-        fwd_args = {**tens("x", "y"), "N": N, "R_INNER": R, **st("x", "y"), **keys}
-        bwd_args = {**tens("y", "dy", "dx"), "N": N, "R_INNER": R, **st("y", "dy", "dx"), **keys}
+        fwd_args = {**tens("x", "y"), "N": N, "R_INNER": R, **st("x", "y"), **keys, "N_OUTER": 1}
+        bwd_args = {**tens("y", "dy", "dx"), "N": N, "R_INNER": R, **st("y", "dy", "dx"), **keys, "N_OUTER": 1}
         if p.mode == "block":
             cfgs = [(c.kwargs["BLOCK_M"], p.block_n, c.num_warps) for c in
                     sm._prune_block(sm._block_config_space(), {"R_INNER": R}, BLOCK_N=p.block_n)]
@@ -145,7 +151,7 @@ def softmax_jobs():
 
 
 def norm_jobs():
-    M = "tilefuse.kernels.norms"
+    M = "tilefuse.kernels.norms.kernels"
     for m, n in SHAPES:
         bn = nm.block_n_for(n, False)
         single = n <= bn
@@ -155,7 +161,7 @@ def norm_jobs():
                 args = dict(x_ptr=BF16, res_ptr=BF16 if res else FP32, w_ptr=BF16, b_ptr=FP32 if is_rms else BF16,
                             y_ptr=BF16, h_ptr=BF16 if res else FP32, mean_ptr=FP32, rstd_ptr=FP32, M=m, N=n,
                             stride_xm=n, stride_rm=n if res else 0, stride_ym=n, stride_hm=n if res else 0,
-                            eps=1e-5, M_BUCKET=tuning.m_bucket(m))
+                            eps=1e-5, M_BUCKET=m_bucket(m))
                 flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=res, HAS_WEIGHT=True, HAS_BIAS=not is_rms, STORE_Y=True,
                              SINGLE_PASS=single, BLOCK_N=bn)
                 kept = nm._prune_fwd(nm._fwd_configs(), {"M": m}, BLOCK_N=bn, SINGLE_PASS=single)

@@ -2,7 +2,7 @@
 
 For each shape: cuBLAS linear alone, eager linear+gelu, cuBLASLt's GELU epilogue, the portable
 autotuned kernel, every pinned TMA config (with and without tl's warp_specialize, a no-op on sm_90), and
-the warp-specialized Gluon kernel (kernels/gemm_ws.py) in four configs (128x128 or 64x256 per consumer). For each compiled
+the warp-specialized Gluon kernel (benchmarks/gemm_ws.py, lab code) in four configs (128x128 or 64x256 per consumer). For each compiled
 TMA variant it records registers, spills and whether the PTX uses wgmma. Prints a table and writes
 JSON to the path given (default gemm_variants.json).
 Run on the GPU:  PYTHONPATH=src python3 benchmarks/gemm_variants.py OUT.json [bf16|fp16]
@@ -13,11 +13,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from tilefuse import tuning
-from tilefuse.harness.timing import bench_ms
-from tilefuse.kernels import gemm_tma, gemm_ws
-from tilefuse.opspecs.linear import BENCH_SHAPES
+import gemm_ws  # benchmarks/gemm_ws.py: this script's folder is on sys.path when run by path
 import tilefuse
+from tilefuse.harness.timing import bench_ms
+from tilefuse.kernels import launches
+from tilefuse.kernels.gemm.configs import TMA_GEMM_CONFIGS
+from tilefuse.kernels.gemm.launch import _launch_tma
+from tilefuse.kernels.gemm.tma import linear_tma_kernel
+from tilefuse.opspecs.linear import BENCH_SHAPES
 
 SMALL_M = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096)]
 
@@ -38,8 +41,8 @@ def _time_variant(row, name, ref, out_shape, dtype, launch):
 def main(out_path="gemm_variants.json", dtype_name="bf16"):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     rows = []
-    variants = [dict(c, ws=ws) for c in tuning.TMA_GEMM_CONFIGS for ws in (False, True)]
-    variants += [dict(tuning.TMA_GEMM_CONFIGS[0], subtile=False)]
+    variants = [dict(c, ws=ws) for c in TMA_GEMM_CONFIGS for ws in (False, True)]
+    variants += [dict(TMA_GEMM_CONFIGS[0], subtile=False)]
     for M, K, N in BENCH_SHAPES + SMALL_M:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(M, K, device="cuda", dtype=dtype, generator=g)
@@ -51,15 +54,15 @@ def main(out_path="gemm_variants.json", dtype_name="bf16"):
         row["ms"]["cublas linear only"] = bench_ms(lambda: F.linear(x, w, b))
         row["ms"]["eager linear+gelu"] = bench_ms(lambda: F.gelu(F.linear(x, w, b)))
         row["ms"]["cublaslt epilogue"] = bench_ms(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True))
-        y = tilefuse.linear(x, w, b, "gelu")
+        with launches.recording() as records:
+            y = tilefuse.linear(x, w, b, "gelu")
         row["ms"]["tilefuse.linear (dispatch)"] = bench_ms(lambda: tilefuse.linear(x, w, b, "gelu"))
         row["rel_l2"]["tilefuse.linear (dispatch)"] = ((y.float() - ref).norm() / ref.norm()).item()
-        from tilefuse.ops import linear as L
-        row["dispatch_config"] = tuning.describe(L.last_config["config"]) + " " + str(L.last_config.get("kernel"))
+        row["dispatch_config"] = f"{records[-1].config} {records[-1].kernel}" if records else "not recorded"
         for v in variants:
             _time_variant(row, "tma " + "_".join(f"{k}{val}" for k, val in v.items()), ref, (M, N), dtype,
-                          lambda y, v=v: gemm_tma.launch_linear_tma(x, w, b, y, "gelu", config=v))
-        # The warp-specialized Gluon kernel (kernels/gemm_ws.py): two consumer warpgroups in ping-pong.
+                          lambda y, v=v: _launch_tma(x, w, b, y, "gelu", config=v))
+        # The warp-specialized Gluon kernel (benchmarks/gemm_ws.py): two consumer warpgroups in ping-pong.
         for c in (dict(), dict(GROUP_M=16), dict(BLOCK_M=64, BLOCK_N=256), dict(BLOCK_M=64, BLOCK_N=256, STAGES=3)):
             _time_variant(row, "gluon ws " + ("_".join(f"{k}{val}" for k, val in c.items()) or "default"), ref,
                           (M, N), dtype, lambda y, c=c: gemm_ws.launch(x, w, b, y, "gelu", config=c))
@@ -75,7 +78,7 @@ def main(out_path="gemm_variants.json", dtype_name="bf16"):
     # Compiler facts per compiled TMA variant: registers, spills, wgmma in the PTX.
     facts = []
     try:
-        for cache in gemm_tma.linear_tma_kernel.device_caches.values():
+        for cache in linear_tma_kernel.device_caches.values():
             for key, compiled in cache[0].items():
                 ptx = compiled.asm.get("ptx", "")
                 facts.append({"key": str(key)[:300], "n_regs": compiled.n_regs, "n_spills": compiled.n_spills,

@@ -18,9 +18,9 @@ import sys
 
 import torch
 
-import tilefuse.ops.linear as linear_op
 from tilefuse import registry
 from tilefuse.harness.timing import bench_ms, graph_ms, host_us
+from tilefuse.kernels import launches
 from rows import collect
 
 SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096), (512, 4096, 4096)]
@@ -39,8 +39,11 @@ def measure(M, K, N) -> dict:
         row[name] = {"host_us": host_us(fn, calls=200, rounds=10, warmup=50),
                      "device_us": device_ms * 1e3 if isinstance(device_ms, float) else device_ms,
                      "do_bench_us": bench_ms(fn) * 1e3}
-    row["tilefuse_path"] = dict(linear_op.last_config)
-    row["tilefuse_path"]["config"] = str(row["tilefuse_path"]["config"])
+    with launches.recording() as records:  # what the settled call ran (the launch layer's own record)
+        fused()
+    rec = records[-1] if records else None
+    row["tilefuse_path"] = (dict(config=rec.config, path=rec.path, kernel=rec.kernel, replayed=rec.replayed)
+                            if rec else None)
     return row
 
 

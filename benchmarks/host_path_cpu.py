@@ -1,5 +1,5 @@
 """Host cost of each op's compiled-path dispatch, measured on a CPU with the kernel launches stubbed
-(tilefuse.harness.host_path): microseconds per call (best of 30 rounds of 100 calls) and Python function calls per
+(tests/tools/host_path.py): microseconds per call (best of 30 rounds of 100 calls) and Python function calls per
 call (deterministic, so a change shows even on a noisy shared CPU). Triton's own launcher is not in
 these numbers; benchmarks/host_overhead.py measures the whole call on the GPU.
 
@@ -8,13 +8,16 @@ Run anywhere:  TILEFUSE_AUTOTUNE=0 PYTHONPATH=src python benchmarks/host_path_cp
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-from tilefuse import registry
-from tilefuse.harness.host_path import stubbed_launches
-from tilefuse.harness.timing import host_us
-from rows import collect
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/tools: the stubbed launch path
+
+from rows import collect  # noqa: E402
+from tilefuse import registry  # noqa: E402
+from tilefuse.harness.timing import host_us  # noqa: E402
+from tools.host_path import stubbed_launches  # noqa: E402
 
 # One small case per op: the host path does not depend on the size (CPU allocations of bench-size
 # tensors would add malloc time the GPU's caching allocator does not have).

@@ -10,11 +10,16 @@ Run anywhere:  PYTHONPATH=src python benchmarks/triton_launch_cpu.py
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from triton.runtime.driver import driver
 
-from tilefuse.harness.host_path import StandInDriver
-from tilefuse.harness.timing import host_us
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/tools: the stand-in driver
+
+from tilefuse.harness.timing import host_us  # noqa: E402
+from tools.host_path import StandInDriver  # noqa: E402
 
 
 class _CompiledStub:
@@ -45,7 +50,7 @@ def launch_cost_us(jit_fn, args: tuple, kwargs: dict, grid: tuple, calls: int = 
 
 def main() -> None:
     driver.set_active(StandInDriver())
-    from tilefuse.kernels import gemm_epilogue
+    from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
 
     # The decode GEMM of the report (M = 16, K = N = 4096, bf16, GELU, split-K 4): 23 runtime arguments.
     M, N, K = 16, 4096, 4096
@@ -56,7 +61,7 @@ def main() -> None:
     args = (x, w, y, y, w, y, ws, counters, M, N, K, 16, 1024, M, 0, K, 1, K, 1, K, 1, N, 1)
     kwargs = dict(HAS_BIAS=True, ACTIVATION="gelu", GATED=False, INPUT_PRECISION="tf32", SPLIT_K=4,
                   UPCAST_DOT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-    us = launch_cost_us(gemm_epilogue.linear_epilogue_kernel, args, kwargs, (256, 4))
+    us = launch_cost_us(linear_epilogue_kernel, args, kwargs, (256, 4))
     print(f"linear_epilogue_kernel (split-K decode, {len(args)} runtime args): JITFunction.run {us:.1f} us per call")
 
 

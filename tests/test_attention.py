@@ -6,9 +6,10 @@ import torch.nn.functional as F
 
 import tilefuse  # noqa: F401  (public surface imports)
 from helpers import ON_GPU, assert_close
-from tilefuse.ops.attention import attention, forward_kernel, last_config, scaled_dot_product_attention
+from tilefuse.kernels import launches
+from tilefuse.ops.attention import _attention_impl, attention, scaled_dot_product_attention
 from tilefuse.reference import attention as ref
-from tilefuse.registry import REL_L2_BOUND
+from tilefuse.opspec import REL_L2_BOUND
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -33,7 +34,7 @@ def _f64(*ts):
     (17, 130, 40, True, None), (130, 70, 64, False, (30, 10)), (70, 70, 128, True, (40, -1))])
 def test_descriptor_and_pointer_paths_agree_with_reference(device, dtype, Nq, Nk, d, causal, window):
     """The TMA-descriptor path (GPU default) and the pointer path (interpreter default), forced each way."""
-    from tilefuse.kernels.attention import launch_attention
+    from tilefuse.kernels.attention.launch import _launch as launch_attention
 
     q, k, v = _qkv(1, 4, 2, Nq, Nk, d, device, dtype)
     ro, rl = ref.attention(*_f64(q, k, v), causal=causal, window=window, return_lse=True)
@@ -50,12 +51,11 @@ def test_descriptor_and_pointer_paths_agree_with_reference(device, dtype, Nq, Nk
 def test_flat_grid_matches_reference(device, monkeypatch):
     """The one-axis grid that B * Hq > 65535 takes (batched decode), forced on a small shape by lowering the
     limit: program -> (head, query block) must cover every block once, heaviest first."""
-    from tilefuse.kernels import attention as K
+    from tilefuse.kernels.attention import launch as K
 
     monkeypatch.setattr(K, "MAX_GRID_Y", 3)
     q, k, v = _qkv(2, 4, 2, 130, 70, 16, device)
-    with forward_kernel("portable"):
-        out, lse = attention(q, k, v, causal=True, return_lse=True)
+    out, lse = _attention_impl(q, k, v, None, None, True, -1, 0, True, kernel="portable")
     ro, rl = ref.attention(*_f64(q, k, v), causal=True, return_lse=True)
     assert_close((out, lse), (ro, rl), REL_L2_BOUND[FP32], "flat grid")
 
@@ -103,10 +103,13 @@ def test_strided_inputs_bshd_layout(device):
     assert_close(out, ref.attention(*_f64(q, k, v), causal=True, scale=0.3), 1e-5, "bshd")
 
 
-def test_deterministic_is_recorded(device):
-    q, k, v = _qkv(1, 1, 1, 5, 5, 16, device)
-    attention(q, k, v, deterministic=True)
-    assert last_config["deterministic"] is True
+def test_deterministic_is_accepted_and_the_forward_is_bitwise_repeatable(device):
+    q, k, v = _qkv(1, 2, 1, 37, 45, 16, device)
+    a = attention(q, k, v, causal=True, deterministic=True)
+    assert torch.equal(a, attention(q, k, v, causal=True, deterministic=True))
+    assert torch.equal(a, attention(q, k, v, causal=True))
+    with pytest.raises(TypeError, match="deterministic"):
+        attention(q, k, v, deterministic=1)
 
 
 def test_attention_equals_sdpa_when_square(device):
@@ -255,18 +258,18 @@ def test_gpu_window_long_sequence():
 def test_register_capped_tiles_match_reference(d, causal, monkeypatch):
     """The maxnreg tiles (2-3 CTAs per SM) are tuner candidates that the pinned GPU tests never reach:
     force each, on a shape large enough for the tuner's path, and check the result."""
-    from tilefuse.kernels import attention as K
+    from tilefuse.kernels.attention import launch as K
 
     q, k, v = _qkv(2, 4, 2, 640, 600, d, "cuda", BF16)
     kept = K._prune(K.GPU_CONFIGS, {"q_ptr": q}, BLOCK_D=d, USE_DESC=True, HAS_MASK=False, INPUT_PRECISION="tf32")
     capped = [c for c in kept if c.maxnreg is not None]
-    tuner = K.attention_fwd_autotuned
+    tuner = K.attention_fwd_tuned
     monkeypatch.setattr(tuner, "pinned", True)
     monkeypatch.setattr(tuner, "configs", capped)
     monkeypatch.setattr(tuner, "cache", {})
-    with forward_kernel("portable"):  # d = 64 / 128 bf16 would take the warp-specialized kernel
-        out = attention(q, k, v, causal=causal)
-    assert capped and last_config["config"].maxnreg == capped[0].maxnreg
+    with launches.recording() as recs:  # d = 64 / 128 bf16 would take the warp-specialized kernel: forced off
+        out, _ = _attention_impl(q, k, v, None, None, True, -1, 0 if causal else -1, False, kernel="portable")
+    assert capped and f" r{capped[0].maxnreg}" in recs[-1].config, recs
     assert_close(out, ref.attention(*_f64(q, k, v), causal=causal), REL_L2_BOUND[BF16], f"capped d={d}")
 
 
@@ -288,14 +291,14 @@ def test_warp_specialized_kernel_matches_reference(pingpong, device_desc, dtype,
     """The Gluon kernel (a TMA producer warp, two consumer warpgroups), in both consumer schedules and with
     descriptors made on the host or the device, against the float64 reference, output and lse, on
     shapes that cut every tile boundary."""
-    from tilefuse.kernels import attention_ws
+    from tilefuse.kernels.attention import launch as K
 
     q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, d, "cuda", dtype)
     ro, rl = ref.attention(*_f64(q, k, v), causal=causal, window=window, return_lse=True)
     left, right = window if window else (-1, -1)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, Nq), float("nan"), device="cuda")
-    attention_ws.launch(q, k, v, out, lse, qk_scale=d ** -0.5 * 1.4426950408889634, pos_offset=Nk - Nq,
+    K._launch_ws(q, k, v, out, lse, qk_scale=d ** -0.5 * 1.4426950408889634, pos_offset=Nk - Nq,
                         window_left=left, window_right=0 if causal else right,
                         config=dict(PINGPONG=pingpong, DEVICE_DESC=device_desc))
     assert_close((out, lse), (ro, rl), REL_L2_BOUND[dtype], f"ws d={d} pingpong={pingpong} device_desc={device_desc}")
@@ -306,7 +309,7 @@ def test_warp_specialized_kernel_strided_and_refusals():
     """kernel="ws" through launch_attention; "auto" picks it for the BSHD layout (heads interleaved in
     memory: the 4-D descriptors take the strides); d = 80 takes the portable kernel under "auto" and
     raises under "ws"."""
-    from tilefuse.kernels.attention import launch_attention
+    from tilefuse.kernels.attention.launch import _launch as launch_attention
 
     q, k, v = _qkv(1, 8, 2, 333, 555, 64, "cuda", FP16)
     out, lse = torch.empty_like(q), torch.empty(1, 8, 333, device="cuda")
@@ -318,13 +321,14 @@ def test_warp_specialized_kernel_strided_and_refusals():
     B, N, H, d = 2, 600, 4, 128
     x = _rand(3, B, N, H, d, device="cuda", dtype=BF16)
     q, k, v = (t.transpose(1, 2) for t in x.unbind(0))
-    out = attention(q, k, v, causal=True)
-    assert last_config["config"].get("WARP_SPECIALIZE"), last_config
+    with launches.recording() as recs:
+        out = attention(q, k, v, causal=True)
+    assert [r.kernel for r in recs] == ["ws"], recs
     assert_close(out, ref.attention(*_f64(q, k, v), causal=True), REL_L2_BOUND[BF16], "ws BSHD")
     q80, k80, v80 = _qkv(1, 2, 2, 200, 200, 80, "cuda", BF16)
-    attention(q80, k80, v80)
-    assert not (last_config["config"].kwargs if hasattr(last_config["config"], "kwargs")
-                else last_config["config"]).get("WARP_SPECIALIZE")
+    with launches.recording() as recs:
+        attention(q80, k80, v80)
+    assert [r.kernel for r in recs] == ["portable"], recs
     out80 = torch.empty_like(q80)
     with pytest.raises(ValueError, match="warp-specialized"):
         launch_attention(q80, k80, v80, out80, None, None, scale=1.0, pos_offset=0, window_left=-1,
@@ -338,8 +342,9 @@ def test_warp_specialized_kernel_nan_and_large_logits(d):
     Gluon kernel's default path (both schedules: ping-pong at d = 128, plain at d = 64)."""
     q, k, v = _qkv(1, 2, 1, 300, 333, d, "cuda", BF16)
     q[0, 1, 5, 3] = float("nan")
-    out = attention(q, k, v, causal=True)
-    assert last_config["config"].get("WARP_SPECIALIZE"), last_config
+    with launches.recording() as recs:
+        out = attention(q, k, v, causal=True)
+    assert [r.kernel for r in recs] == ["ws"], recs
     assert out[0, 1, 5].isnan().all()
     out[0, 1, 5] = 0
     assert not out.isnan().any()
@@ -358,8 +363,8 @@ def test_batched_decode_past_the_grid_axis_limit(d):
     q = _rand(4096, 32, 1, d, device="cuda", dtype=BF16)
     k = _rand(4096, 8, 16, d, device="cuda", dtype=BF16, seed=1)
     v = _rand(4096, 8, 16, d, device="cuda", dtype=BF16, seed=2)
-    out, lse = attention(q, k, v, return_lse=True)
-    assert bool(last_config["config"].get("WARP_SPECIALIZE") if isinstance(last_config["config"], dict)
-                else False) == (d == 64), last_config
+    with launches.recording() as recs:
+        out, lse = attention(q, k, v, return_lse=True)
+    assert [r.kernel for r in recs] == ["ws" if d == 64 else "portable"], recs
     ro, rl = ref.attention(*_f64(q, k, v), return_lse=True)
     assert_close((out, lse), (ro, rl), REL_L2_BOUND[BF16], f"decode B*Hq=131072 d={d}")

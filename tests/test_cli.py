@@ -63,16 +63,45 @@ def test_every_anchor_can_be_listed_without_running_it():
 def test_report_retune_ignores_stored_configs(monkeypatch, tmp_path):
     """--retune: the report tunes every key against the current space instead of taking the shipped table's
     (or the user cache's) choice."""
-    from tilefuse import cli, tuning
+    from tilefuse import cli
     from tilefuse.harness import report
+    from tilefuse.tuning import autotuner
 
     seen = {}
 
     def fake_run_report(**kwargs):
-        seen["stored"] = tuning._use_stored_configs
+        seen["stored"] = autotuner._use_stored_configs  # the flag the tuners read
         return {"ops": {}}
 
-    monkeypatch.setattr(tuning, "_use_stored_configs", True)
+    monkeypatch.setattr(autotuner, "_use_stored_configs", True)
     monkeypatch.setattr(report, "run_report", fake_run_report)
     assert cli.main(["report", "--ops", "linear", "--retune", "--out", str(tmp_path)]) == 0
     assert seen["stored"] is False
+
+
+def test_report_config_column_comes_from_the_launch_records():
+    """A speed row's config column is the launch records of one fused call (kernels.launches.recording),
+    each distinct record once, a replayed launch reading as the launch it replays."""
+    from tilefuse import registry
+    from tilefuse.harness import report
+    from tilefuse.kernels import launches
+
+    replayed = launches.LaunchRecord("linear", "compiled", "tma", "128x256x64 w8 s3", replayed=True)
+    direct = launches.LaunchRecord("linear", "compiled", "tma", "128x256x64 w8 s3")
+    other = launches.LaunchRecord("norm_forward", "compiled", "block", "BLOCK_N=4096 w8 s1")
+    assert report.describe_launches([replayed, direct, other]) == (
+        "compiled tma: 128x256x64 w8 s3; compiled block: BLOCK_N=4096 w8 s1")
+    assert report.describe_launches([]) == "no kernel (reference or empty input)"
+
+    spec = registry.get("linear")
+    params = spec.accuracy_cases["gpu" if torch.cuda.is_available() else "cpu"][0]
+    inputs = spec.make_inputs(params, report._device(), 0)
+    with torch.no_grad(), launches.recording() as recs:
+        spec.fused(**inputs)
+    assert recs and all(r.op == "linear" for r in recs), recs
+    if torch.cuda.is_available():
+        return  # a GPU row also benchmarks the case and its anchors: too slow for this check
+    row = report.speed_for_case(spec, params, {}, None)  # on a CPU: accuracy and config, no timing
+    assert row["ms"] is None and row["accuracy_pass"]
+    assert row["config"] == report.describe_launches(recs), (row["config"], recs)
+    assert row["config"].startswith("interpreter"), row["config"]

@@ -1,6 +1,7 @@
-"""The compiled-path dispatch on a CPU, with kernel launches recorded instead of run
-(tilefuse.harness.host_path): every op reaches its kernels with a config, the autotuner's hot path
-launches exactly what its slow path chose, and the host helpers agree with triton's and torch's."""
+"""The compiled-path dispatch on a CPU, with kernel launches recorded instead of run (tests/tools/host_path.py):
+every op reaches its kernels with a config, the launch layer's fast path (kernels/fastpath.py) replays
+exactly what the full path launches -- same kernels, grids, constexprs and configs, the new call's
+pointers -- and any change in what the dispatch reads takes the full path."""
 from __future__ import annotations
 
 import random
@@ -9,11 +10,11 @@ import pytest
 import torch
 import triton
 
-from tilefuse import registry, tuning
-from tilefuse.harness.host_path import stubbed_launches
+from tilefuse import registry, sizes, tuning
 from tilefuse.harness.report import render_markdown
-from tilefuse.kernels.tiling import cdiv, next_pow2
-from tilefuse.ops.attention import _broadcast_shape
+from tilefuse.kernels import fastpath
+from tilefuse.ops.attention import _attention_impl, _broadcast_shape
+from tools.host_path import stubbed_launches
 
 ON_GPU = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
@@ -37,13 +38,22 @@ CASES = {
 @pytest.fixture
 def pinned_tuners(monkeypatch):
     """Every autotuner picks its first pruned config, as the GPU tests do (TILEFUSE_AUTOTUNE=0), with
-    fresh in-process caches so this test settles its own keys."""
-    from tilefuse.kernels import attention, gemm_epilogue, gemm_tma, norm_linear, norms, softmax  # noqa: F401
-    tuners = list(tuning._TUNERS.values())
+    fresh in-process caches so this test settles its own keys; no fast-path plan survives from before."""
+    from tilefuse.kernels.attention import launch as _a  # noqa: F401
+    from tilefuse.kernels.gemm import launch as _g  # noqa: F401
+    from tilefuse.kernels.norms import launch as _n  # noqa: F401
+    from tilefuse.kernels.softmax import launch as _s  # noqa: F401
+    tuners = list(tuning.autotuner._TUNERS.values())
     for t in tuners:
         monkeypatch.setattr(t, "pinned", True)
         monkeypatch.setattr(t, "cache", {})
-    return tuners
+    fastpath.clear_all()
+    yield tuners
+    fastpath.clear_all()
+
+
+def _strip(kwargs):
+    return {k: v for k, v in kwargs.items() if k != "grid"}
 
 
 @pytest.mark.parametrize("op", sorted(CASES))
@@ -66,17 +76,34 @@ def test_compiled_dispatch_launches_the_same_kernels_every_call(op, pinned_tuner
     assert [launch.kernel for launch in launches[:n]] == kernels
     assert launches[n:] and [launch.kernel for launch in launches[n:]] == kernels
     for a, b in zip(launches[:n], launches[n:]):
-        # The hot path (second call) launches with exactly the config and grid the slow path chose.
+        # The second call (replayed or through the tuner's settled key) launches exactly what the first chose.
         assert a.grid == b.grid and all(g > 0 for g in a.grid)
-        assert {k: v for k, v in a.kwargs.items() if k != "grid"} == {k: v for k, v in b.kwargs.items() if k != "grid"}
+        assert _strip(a.kwargs) == _strip(b.kwargs)
     assert len(slow_runs) <= len(kernels), "the second call must not go through the slow path again"
     outputs = first if isinstance(first, tuple) else (first,)
     assert all(isinstance(t, torch.Tensor) for t in outputs) and type(first) is type(second)
 
 
+def test_every_family_replays_where_its_launches_touch_only_the_calls_tensors(pinned_tuners):
+    """Which bench-like calls the fast path replays: those whose launches read and write only the call's
+    inputs and outputs (and the split-K buffers kept for the process). layer_norm_linear's Hopper form
+    folds gamma into a temporary weight, so it always takes the full path."""
+    replayed = {}
+    for op in sorted(CASES):
+        shape, _ = CASES[op]
+        spec = registry.get(op.split()[0])
+        inputs = spec.make_inputs(dict(spec.bench_cases[0], shape=shape), torch.device("cpu"), 0)
+        with torch.no_grad(), stubbed_launches() as launches:
+            spec.fused(**inputs)
+            n = len(launches)
+            spec.fused(**inputs)
+        replayed[op] = all(launch.replay for launch in launches[n:])
+    assert replayed == {op: op != "layer_norm_linear" for op in CASES}
+
+
 def test_hot_path_forgets_settled_configs_when_the_cache_is_replaced(pinned_tuners):
-    from tilefuse.kernels import norms
-    tuner = norms.norm_fwd_autotuned
+    from tilefuse.kernels.norms import launch
+    tuner = launch.norm_fwd_tuned
     spec = registry.get("layer_norm")
     inputs = spec.make_inputs(dict(spec.bench_cases[0], shape=(8, 4096)), torch.device("cpu"), 0)
     with torch.no_grad(), stubbed_launches() as launches:
@@ -88,16 +115,17 @@ def test_hot_path_forgets_settled_configs_when_the_cache_is_replaced(pinned_tune
         key = next(iter(tuner.cache))
         tuner.cache = {key: wanted}  # a new cache object holding another choice for the same key
         spec.fused(**inputs)
+    assert not launches[-1].replay, "a plan captured under the old cache must not replay"
     assert launches[-1].kwargs["BLOCK_M"] == wanted.kwargs["BLOCK_M"] != first
 
 
 def test_host_integer_helpers_match_triton():
     for a in range(0, 300):
         for b in (1, 2, 3, 7, 64, 128):
-            assert cdiv(a, b) == triton.cdiv(a, b)
+            assert sizes.cdiv(a, b) == triton.cdiv(a, b)
     for n in range(1, 5000):
-        assert next_pow2(n) == triton.next_power_of_2(n)
-    assert next_pow2(0) == 1
+        assert sizes.next_pow2(n) == triton.next_power_of_2(n)
+    assert sizes.next_pow2(0) == 1
 
 
 def test_broadcast_shape_matches_torch():
@@ -146,23 +174,25 @@ def test_attention_grid_fits_cuda_limits_in_batched_decode(d, pinned_tuners):
     assert [launch.grid for launch in launches] == [(1, 64)] and not launches[0].kwargs["FLAT_GRID"]
 
 
-def test_forward_kernel_portable_reaches_the_portable_kernel(pinned_tuners):
-    """The report's "tilefuse.attention.portable" anchor: inside forward_kernel("portable") a bf16 d = 64 call
-    (which the warp-specialized kernel takes otherwise) launches the portable kernel; the choice is restored
-    after the block, and a name other than "auto" / "portable" is refused."""
-    from tilefuse.ops.attention import forward_kernel
-
-    q = torch.randn(1, 4, 128, 64, dtype=torch.bfloat16)
-    spec = registry.get("attention")
-    args = dict(q=q, k=q, v=q, causal=True, window=None, scale=None, return_lse=False)
+def test_attention_kernel_choice_reaches_the_portable_kernel(pinned_tuners):
+    """The report's "tilefuse.attention.portable" anchor: kernel="portable" on a bf16 d = 64 call (which the
+    warp-specialized kernel takes otherwise) launches the portable kernel; its plan is its own (the
+    choice is part of the key); an unknown kernel name is refused. (q, k and v are distinct tensors: a call
+    whose inputs share memory makes no plan, since a launch argument must name one input.)"""
+    q, k, v = (torch.randn(1, 4, 128, 64, dtype=torch.bfloat16) for _ in range(3))
     with torch.no_grad(), stubbed_launches() as launches:
-        with forward_kernel("portable"):
-            spec.fused(**args)
-        spec.fused(**args)
-    assert [launch.kernel for launch in launches] == ["attention_fwd_kernel", "attention_fwd_ws_kernel"]
+        for _ in range(2):
+            _attention_impl(q, k, v, None, None, True, -1, 0, False, kernel="portable")
+            _attention_impl(q, k, v, None, None, True, -1, 0, False)
+    assert [launch.kernel for launch in launches] == ["attention_fwd_kernel", "attention_fwd_ws_kernel"] * 2
+    assert [launch.replay for launch in launches] == [False, False, True, True]
     with pytest.raises(ValueError, match="kernel must be"):
-        with forward_kernel("ws"):
-            pass
+        _attention_impl(q, k, v, None, None, True, -1, 0, False, kernel="fast")
+    fastpath.clear_all()
+    with torch.no_grad(), stubbed_launches() as launches:
+        for _ in range(2):
+            _attention_impl(q, q, q, None, None, True, -1, 0, False)
+    assert [launch.replay for launch in launches] == [False, False]
 
 
 def _linear_inputs(M, K, N, seed=0, dtype=torch.bfloat16):
@@ -174,11 +204,9 @@ def _linear_inputs(M, K, N, seed=0, dtype=torch.bfloat16):
 @pytest.mark.parametrize("M", [512, 16])  # the TMA kernel; the split-K decode kernel
 def test_linear_replays_its_launch_on_new_tensors(M, pinned_tuners):
     """A second call with inputs of the same shapes, strides, dtypes and alignment replays the first
-    call's compiled launch (kernels/relaunch.py) with the second call's tensors: same grid and kernel
-    arguments, the new pointers, none of the first call's (a stale pointer would read freed memory)."""
+    call's compiled launch with the second call's tensors: same grid and kernel arguments, the new
+    pointers, none of the first call's (a stale pointer would read freed memory)."""
     import tilefuse
-    from tilefuse.ops import linear as linear_op
-    linear_op.clear_launch_plans()
     x1, w1, b1 = _linear_inputs(M, 4096, 4096, seed=0)
     x2, w2, b2 = _linear_inputs(M, 4096, 4096, seed=1)
     with torch.no_grad(), stubbed_launches() as launches:
@@ -187,7 +215,7 @@ def test_linear_replays_its_launch_on_new_tensors(M, pinned_tuners):
     first, second = launches
     assert not first.replay and second.replay
     assert first.kernel == second.kernel and first.grid == second.grid
-    assert {k: v for k, v in first.kwargs.items() if k != "grid"} == second.kwargs
+    assert _strip(first.kwargs) == second.kwargs
     assert len(first.pointers) == len(second.pointers)
     assert {x2.data_ptr(), w2.data_ptr(), b2.data_ptr(), y2.data_ptr()} <= set(second.pointers)
     assert not {x1.data_ptr(), w1.data_ptr(), b1.data_ptr(), y1.data_ptr()} & set(second.pointers)
@@ -195,12 +223,10 @@ def test_linear_replays_its_launch_on_new_tensors(M, pinned_tuners):
 
 
 def test_linear_replays_only_calls_that_match_the_captured_one(pinned_tuners):
-    """Anything the checks or the dispatch read takes the full path again: another shape, dtype,
-    alignment (Triton specializes pointers on 16 bytes; TMA needs it), bias presence, activation,
-    grad mode; and bad input still gets its error after a replay exists."""
+    """Anything the dispatch reads takes the full path again: another shape, dtype, alignment (Triton
+    specializes pointers on 16 bytes; TMA needs it), bias presence, activation; and bad input still gets
+    its error after a replay exists (the checks run before the launch layer)."""
     import tilefuse
-    from tilefuse.ops import linear as linear_op
-    linear_op.clear_launch_plans()
     x, w, b = _linear_inputs(64, 256, 128)
     flat = torch.randn(64 * 256 + 1).to(torch.bfloat16)
     misaligned = flat[1:].view(64, 256)  # x's shape and strides, its address 2 bytes off 16
@@ -232,38 +258,152 @@ def test_linear_replay_forgets_a_replaced_tuner_cache(pinned_tuners):
     """A launch captured under one tuner cache is not replayed after the cache object is replaced: the
     config the tuner would choose may differ (the same rule as the tuner's own hot path)."""
     import tilefuse
-    from tilefuse.kernels import gemm_tma
-    from tilefuse.ops import linear as linear_op
-    linear_op.clear_launch_plans()
+    from tilefuse.kernels.gemm import launch
     x, w, b = _linear_inputs(512, 1024, 1024)
     with torch.no_grad(), stubbed_launches() as launches:
         tilefuse.linear(x, w, b, "gelu")
-        gemm_tma.linear_tma_autotuned.cache = {}
+        launch.linear_tma_tuned.cache = {}
         tilefuse.linear(x, w, b, "gelu")
         tilefuse.linear(x, w, b, "gelu")
     assert [launch.replay for launch in launches] == [False, False, True]
 
 
-def test_capture_refuses_a_launch_that_is_not_its_own(pinned_tuners, monkeypatch):
-    """If another thread launches through the same tuner between a capture's launch and its read of the
-    tuner's record, the record holds that thread's arguments: no replay is made from it."""
+def test_capture_refuses_launches_that_touch_a_temporary(pinned_tuners, monkeypatch):
+    """A launch whose tensor argument is neither one of the call's inputs or outputs nor a buffer kept for
+    the process (here: a copy of x made inside the launch layer) would replay a dead address: no plan."""
     import tilefuse
-    from tilefuse.kernels import gemm_tma
-    from tilefuse.ops import linear as linear_op
-    linear_op.clear_launch_plans()
+    from tilefuse.kernels.gemm import launch
+    real = launch.row_addressing
+    monkeypatch.setattr(launch, "row_addressing", lambda x: real(x.clone()))
     x, w, b = _linear_inputs(512, 1024, 1024)
-    tuner = gemm_tma.linear_tma_autotuned
-    real_run = type(tuner).run
-
-    def run_then_other_thread(self, *args, **kwargs):
-        ret = real_run(self, *args, **kwargs)
-        if self.keep_last_launch:
-            compiled, launched, kw, config = self.last_launch
-            self.last_launch = (compiled, (launched[0].clone(),) + launched[1:], kw, config)
-        return ret
-
-    monkeypatch.setattr(type(tuner), "run", run_then_other_thread)
     with torch.no_grad(), stubbed_launches() as launches:
         tilefuse.linear(x, w, b, "gelu")
         tilefuse.linear(x, w, b, "gelu")
-    assert [launch.replay for launch in launches] == [False, False] and not linear_op._PLANS
+    assert [launch.replay for launch in launches] == [False, False] and len(launch._LINEAR) == 0
+
+
+def _where(ptr, tensors):
+    """(index, byte offset) of the tensor whose memory holds ``ptr``, or None (an output, a buffer)."""
+    for i, t in enumerate(tensors):
+        if t is not None and t.numel() and t.data_ptr() <= ptr < t.data_ptr() + t.untyped_storage().nbytes():
+            return i, ptr - t.data_ptr()
+    return None
+
+
+def _t(*shape, dtype=torch.bfloat16, seed=0, offset=0, transpose=False):
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    flat = torch.randn(n + offset, generator=g).to(dtype)
+    t = flat[offset:].view(*(shape[::-1] if transpose else shape))
+    return t.t() if transpose else t
+
+
+def _variants():
+    """(op name, call(seed) -> (inputs, run)) pairs: a base call and the calls that differ from it in one
+    thing the dispatch reads. ``run()`` makes the call; ``inputs`` are its input tensors."""
+    import tilefuse
+
+    def linear(M, K, N, act="gelu", bias=True, dtype=torch.bfloat16, offset=0, transpose=False):
+        def make(seed):
+            x = _t(M, K, dtype=dtype, seed=seed, offset=offset, transpose=transpose)
+            w = _t(N, K, dtype=dtype, seed=seed + 1)
+            b = _t(N, dtype=dtype, seed=seed + 2) if bias else None
+            return (x, w, b), lambda: tilefuse.linear(x, w, b, act)
+        return make
+
+    def gated(M, K, N, act="swiglu", dtype=torch.bfloat16):
+        def make(seed):
+            x, w = _t(M, K, dtype=dtype, seed=seed), _t(2 * N, K, dtype=dtype, seed=seed + 1)
+            return (x, w), lambda: tilefuse.linear(x, w, None, act)
+        return make
+
+    def norm(M, N, rms=False, residual=False, eps=1e-5, dtype=torch.bfloat16, offset=0):
+        def make(seed):
+            x = _t(M, N, dtype=dtype, seed=seed, offset=offset)
+            w = _t(N, dtype=dtype, seed=seed + 1)
+            r = _t(M, N, dtype=dtype, seed=seed + 2) if residual else None
+            if rms:
+                return (x, w, r), lambda: tilefuse.rms_norm(x, (N,), w, eps, residual=r)
+            return (x, w, r), lambda: tilefuse.layer_norm(x, (N,), w, None, eps, residual=r)
+        return make
+
+    def softmax(R, N, dim=-1, algorithm="auto", dtype=torch.bfloat16, transpose=False):
+        def make(seed):
+            x = _t(R, N, dtype=dtype, seed=seed, transpose=transpose)
+            return (x,), lambda: tilefuse.softmax(x, dim, algorithm=algorithm)
+        return make
+
+    def attention(Nq, Nk, d=64, causal=True, window=None, dtype=torch.bfloat16, hkv=4, lse=False):
+        def make(seed):
+            q = _t(1, 4, Nq, d, dtype=dtype, seed=seed)
+            k, v = _t(1, hkv, Nk, d, dtype=dtype, seed=seed + 1), _t(1, hkv, Nk, d, dtype=dtype, seed=seed + 2)
+            return (q, k, v), lambda: tilefuse.attention(q, k, v, causal=causal, window=window, return_lse=lse)
+        return make
+
+    def sdpa(L, S, mask_kind=None, causal=False, dtype=torch.bfloat16):
+        def make(seed):
+            q, k, v = (_t(2, 2, n, 64, dtype=dtype, seed=seed + i) for i, n in enumerate((L, S, S)))
+            mask = None
+            if mask_kind == "bool":
+                mask = _t(L, S, dtype=torch.float32, seed=seed + 5) > 0
+            elif mask_kind == "float":
+                mask = _t(2, 1, L, S, dtype=dtype, seed=seed + 5)
+            return (q, k, v, mask), lambda: tilefuse.scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
+        return make
+
+    return {
+        "linear": [linear(512, 1024, 1024), linear(256, 1024, 1024), linear(512, 1024, 1024, act="relu"),
+                   linear(512, 1024, 1024, bias=False), linear(512, 1024, 1024, dtype=torch.float16),
+                   linear(512, 1024, 1024, offset=8), linear(512, 1024, 1024, transpose=True),
+                   linear(16, 4096, 4096), linear(16, 4096, 2048), linear(64, 2048, 4096, act=None),
+                   linear(33, 70, 45, dtype=torch.float32)],
+        "gated": [gated(512, 1024, 512), gated(512, 1024, 512, act="geglu"), gated(16, 4096, 1024),
+                  gated(512, 1024, 512, dtype=torch.float16)],
+        "norm": [norm(64, 4096), norm(64, 4096, rms=True), norm(64, 4096, residual=True), norm(64, 4096, eps=1e-3),
+                 norm(128, 4096), norm(64, 2048), norm(64, 4096, dtype=torch.float32), norm(64, 4096, offset=8),
+                 norm(4, 70001), norm(2, 1 << 20)],
+        "softmax": [softmax(64, 4096), softmax(64, 4096, algorithm="two_pass"), softmax(64, 4096, dim=0),
+                    softmax(64, 4096, transpose=True), softmax(64, 16384), softmax(2, 1 << 20),
+                    softmax(64, 4096, dtype=torch.float32), softmax(32, 1000)],
+        "attention": [attention(128, 128), attention(128, 128, causal=False), attention(128, 300),
+                      attention(128, 128, window=(31, 0)), attention(128, 128, d=80), attention(128, 128, hkv=2),
+                      attention(128, 128, lse=True), attention(128, 128, dtype=torch.float16),
+                      attention(128, 128, dtype=torch.float32)],
+        "sdpa": [sdpa(70, 90), sdpa(70, 90, "bool"), sdpa(70, 90, "float"), sdpa(70, 90, causal=True)],
+    }
+
+
+@pytest.mark.parametrize("family", sorted(_variants()))
+def test_a_changed_input_never_replays_another_calls_launches(family, pinned_tuners):
+    """For each family: warm every plan with one call of every variant, then call each variant again on
+    fresh tensors. Each launch must equal what the full path launches for that call with no plan at all
+    (kernel, grid, constexprs, config; every pointer into the call's own inputs at the same offset) --
+    whether it was replayed or not. A key that missed something the dispatch reads would replay another
+    variant's kernel, grid or config here."""
+    makers = _variants()[family]
+    with torch.no_grad(), stubbed_launches() as launches:
+        for make in makers:  # warm: the first call of each variant captures its plan
+            make(0)[1]()
+        replayed = 0
+        for i, make in enumerate(makers):
+            inputs, run = make(100 + i)
+            n = len(launches)
+            run()
+            fast = launches[n:]
+            fastpath.clear_all()
+            n = len(launches)
+            run()
+            full = launches[n:]
+            assert full and not any(launch.replay for launch in full)
+            assert [(a.kernel, a.grid, _strip(a.kwargs)) for a in fast] == \
+                [(b.kernel, b.grid, _strip(b.kwargs)) for b in full], f"variant {i}"
+            for a, b in zip(fast, full):
+                assert len(a.pointers) == len(b.pointers)
+                assert [_where(p, inputs) for p in a.pointers] == [_where(p, inputs) for p in b.pointers], \
+                    f"variant {i}: pointer arguments"
+            replayed += all(launch.replay for launch in fast)
+            for make_again in makers:  # re-warm every plan before the next variant
+                make_again(0)[1]()
+    assert replayed, "no variant replayed: the test would prove nothing"

@@ -1,6 +1,7 @@
 """tilefuse.linear: behaviour beyond the registry grid (edges, NaN, errors, paths)."""
 import os
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 import tilefuse
 from helpers import ON_GPU, assert_close
 from tilefuse.opspec import REL_L2_BOUND
-from tilefuse import reference, tuning
+from tilefuse import reference
 
 ACTS = [None, "gelu", "gelu_tanh", "relu", "silu"]
 
@@ -129,9 +130,10 @@ def test_cpu_without_interpreter_runs_the_reference():
     # Documented: a CPU tensor without TRITON_INTERPRET runs tilefuse.reference, and `info` says so.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    code = ("import torch, tilefuse, tilefuse.ops.linear as L;"
-            "y = tilefuse.linear(torch.randn(3, 4), torch.randn(5, 4), None, 'gelu');"
-            "print(L.last_config['path'], tuple(y.shape))")
+    code = ("import torch, tilefuse; from tilefuse.kernels import launches\n"
+            "with launches.recording() as recs:\n"
+            "    y = tilefuse.linear(torch.randn(3, 4), torch.randn(5, 4), None, 'gelu')\n"
+            "print(recs[0].path, tuple(y.shape))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["reference", "(3,", "5)"]
     info = subprocess.run([sys.executable, "-m", "tilefuse", "info"], env=env, capture_output=True,
@@ -141,9 +143,10 @@ def test_cpu_without_interpreter_runs_the_reference():
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter path is the CPU path")
 def test_interpreter_path_is_used_on_cpu():
-    import tilefuse.ops.linear as L
-    tilefuse.linear(torch.randn(3, 4), torch.randn(5, 4))
-    assert L.last_config["path"] == "interpreter"
+    from tilefuse.kernels import launches
+    with launches.recording() as recs:
+        tilefuse.linear(torch.randn(3, 4), torch.randn(5, 4))
+    assert [r.path for r in recs] == ["interpreter"]
 
 
 @pytest.mark.parametrize("activation", [None, "gelu", "swiglu"])
@@ -152,10 +155,10 @@ def test_split_k_path_matches_reference(device, activation, monkeypatch):
     # fp32 partials and applies the epilogue (one launch). Force the split on small shapes (K = 300 ->
     # slices of 128: 3 slices, the last one partial). A second call must give the same bits (the sum
     # runs in slice order) and leave every arrival counter at zero for the next launch.
-    import tilefuse.ops.linear as L
-    monkeypatch.setattr(L, "_split_k", lambda M, N, K, path, device: 3)
-    from tilefuse.kernels import gemm_epilogue
-    monkeypatch.setattr(gemm_epilogue, "_WORKSPACES", {})  # this test's workspace comes from poisoned_empty
+    from tilefuse.kernels import launches
+    from tilefuse.kernels.gemm import launch
+    monkeypatch.setattr(launch, "split_k_slices", lambda M, N, K, path, device: 3)
+    monkeypatch.setattr(launch, "_WORKSPACES", {})  # this test's workspace comes from poisoned_empty
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):  # the partials workspace and y start as NaN, never stale data
@@ -167,8 +170,9 @@ def test_split_k_path_matches_reference(device, activation, monkeypatch):
     n = 70
     w = _rand(2 * n if activation == "swiglu" else n, 300, device=device, seed=1) / 17
     b = _rand(w.shape[0], device=device, seed=2)
-    out = tilefuse.linear(x, w, b, activation)
-    assert L.last_config["kernel"] == "split-k 3"
+    with launches.recording() as recs:
+        out = tilefuse.linear(x, w, b, activation)
+    assert [r.kernel for r in recs] == ["split-k 3"]
     if activation == "swiglu":
         ref = reference.gated_linear(x.double(), w[:n].double(), w[n:].double(), b[:n].double(), b[n:].double(),
                                      "swiglu")
@@ -176,7 +180,7 @@ def test_split_k_path_matches_reference(device, activation, monkeypatch):
         ref = reference.linear(x.double(), w.double(), b.double(), activation)
     assert_close(out, ref, 1e-5, f"split-k {activation}")
     assert torch.equal(tilefuse.linear(x, w, b, activation), out)
-    counters = [c for (kind, _, _), c in gemm_epilogue._COUNTERS.items() if kind == torch.device(device).type]
+    counters = [c for c in launch._COUNTERS.values() if c.device.type == torch.device(device).type]
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
@@ -202,20 +206,20 @@ def test_random_shapes_property(m, k, n, activation, bias, transpose_x, dtype):
 def _tma_cases():
     """(config index, activation) for every config of the Hopper GEMM's space that the launch keeps for
     that activation (gated epilogues prune the tiles whose two accumulators would spill)."""
-    from tilefuse.kernels import gemm_epilogue, gemm_tma
+    from tilefuse.kernels.gemm import configs
 
-    space = [gemm_tma._tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS]
+    space = [configs.tma_config(**c) for c in configs.TMA_GEMM_CONFIGS]
     return [(i, act) for act in ("gelu", "swiglu") for i, c in enumerate(space)
-            if c in gemm_epilogue.prune_gated_configs(space, {}, GATED=act == "swiglu")]
+            if c in configs.prune_gated_configs(space, {}, GATED=act == "swiglu")]
 
 
 @pytest.mark.parametrize("index,activation", _tma_cases())
 def test_every_tma_config_matches_float64(tma_launch_device, index, activation):
     """Each config in the Hopper GEMM's space, pinned, on tails in M, N and K: the pinned GPU tests only
     ever run the first, and the tuner may pick any."""
-    from tilefuse.kernels import gemm_tma
+    from tilefuse.kernels.gemm import configs, launch
 
-    config = tuning.TMA_GEMM_CONFIGS[index]
+    config = configs.TMA_GEMM_CONFIGS[index]
     gated = activation == "swiglu"
     dev = tma_launch_device
     M, K, N = 130, 96, 264  # 16-byte rows; tails against every tile size in the space
@@ -225,7 +229,7 @@ def test_every_tma_config_matches_float64(tma_launch_device, index, activation):
     b = _rand(N, device=dev, dtype=torch.float16, seed=3)
     bu = _rand(N, device=dev, dtype=torch.float16, seed=4) if gated else None
     y = torch.empty(M, N, dtype=torch.float16, device=dev)
-    gemm_tma.launch_linear_tma(x, w, b, y, activation, config=config, w_up=wu, b_up=bu)
+    launch._launch_tma(x, w, b, y, activation, config=config, w_up=wu, b_up=bu)
     if gated:
         ref = reference.gated_linear(x.double(), w.double(), wu.double(), b.double(), bu.double(), activation)
     else:
@@ -256,9 +260,10 @@ def test_strided_bias_views_are_read_as_their_elements(device, activation):
                                                    ("silu", True, torch.float16), ("gelu_tanh", False, torch.bfloat16)])
 @pytest.mark.parametrize("M,K,N", [(130, 96, 264), (1000, 2040, 1032), (1, 4096, 4096), (2048, 1024, 4096)])
 def test_warp_specialized_gemm_matches_float64(config, activation, bias, dtype, M, K, N):
-    """The Gluon ping-pong GEMM (kernels/gemm_ws.py, not dispatched yet) on tails in M, N and K, more tiles
-    than SMs (each consumer takes several; the two alternate), and a single row."""
-    from tilefuse.kernels import gemm_ws
+    """The Gluon ping-pong GEMM (benchmarks/gemm_ws.py, lab code, not dispatched) on tails in M, N and K,
+    more tiles than SMs (each consumer takes several; the two alternate), and a single row."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gemm_ws
 
     x = _rand(M, K, device="cuda", dtype=dtype)
     w = _rand(N, K, device="cuda", dtype=dtype, seed=1) * K ** -0.5
@@ -274,11 +279,11 @@ def test_warp_specialized_gemm_matches_float64(config, activation, bias, dtype, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M", [1, 16, 512, 1000])  # split-K decode, the TMA kernel, a tail in M
 def test_replayed_launches_compute_each_calls_inputs(M, dtype):
-    """The host's fast path (launch plans in ops/linear.py): calls with fresh inputs of one signature --
-    the first captures its launch, the others replay it -- each match float64 on their own inputs, and
-    a misaligned view of the same shape (the full path: another specialization) too."""
-    from tilefuse.ops import linear as linear_op
-    linear_op.clear_launch_plans()
+    """The host's fast path (kernels/fastpath.py): calls with fresh inputs of one signature -- the first
+    captures its launches, the others replay them -- each match float64 on their own inputs, and a
+    misaligned view of the same shape (another key: another specialization) too."""
+    from tilefuse.kernels.gemm import launch
+    launch._LINEAR.clear()
     K, N = 4096, 1032
     for seed in range(4):
         x = _rand(M, K, device="cuda", dtype=dtype, seed=seed)
@@ -286,7 +291,7 @@ def test_replayed_launches_compute_each_calls_inputs(M, dtype):
         b = _rand(N, device="cuda", dtype=dtype, seed=seed + 20)
         y = tilefuse.linear(x, w, b, "gelu")
         if seed == 0:
-            assert len(linear_op._PLANS) == 1, "the first call captures its launch"
+            assert len(launch._LINEAR) == 1, "the first call captures its launch"
         ref = reference.linear(x.double(), w.double(), b.double(), "gelu")
         assert_close(y, ref, REL_L2_BOUND[dtype], f"replay {seed} M{M} {dtype}")
     flat = _rand(M * K + 1, device="cuda", dtype=dtype, seed=9)
@@ -294,4 +299,4 @@ def test_replayed_launches_compute_each_calls_inputs(M, dtype):
     y = tilefuse.linear(x_off, w, b, "gelu")
     ref = reference.linear(x_off.double(), w.double(), b.double(), "gelu")
     assert_close(y, ref, REL_L2_BOUND[dtype], f"misaligned M{M} {dtype}")
-    assert len(linear_op._PLANS) == 2
+    assert len(launch._LINEAR) == 2

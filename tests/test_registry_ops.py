@@ -5,7 +5,7 @@ CPU: a pairwise cover of the grid (interpreter, tiny odd shapes). GPU: the full 
 import pytest
 
 from helpers import ON_GPU, check_against_reference
-from tilefuse import registry
+from tilefuse import opspec, registry
 
 CASES = [pytest.param(spec, params, id=f"{spec.name}-{spec.label(params)}-{params}",
                       marks=pytest.mark.xdist_group(f"{spec.name}-{spec.compile_group(params)}"))
@@ -19,13 +19,13 @@ def test_matches_float64_reference(spec, params, device):
 
 def test_pairwise_covers_every_pair():
     grid = {"a": [1, 2, 3], "b": ["x", "y"], "c": [True, False], "d": [0, 1, 2, 3]}
-    rows = registry.pairwise(grid)
+    rows = opspec.pairwise(grid)
     for a in grid:
         for b in grid:
             if a < b:
                 seen = {(r[a], r[b]) for r in rows}
                 assert len(seen) == len(grid[a]) * len(grid[b]), (a, b)
-    assert len(rows) < len(registry.product(grid))
+    assert len(rows) < len(opspec.product(grid))
 
 
 def test_every_backward_spec_can_be_timed_without_the_autograd_engine():

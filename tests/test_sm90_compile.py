@@ -3,9 +3,11 @@
 The interpreter never compiles, so errors such as a plain-float global inside @triton.jit only showed
 up on the GPU; compiling for sm_90a here (Triton ships LLVM and ptxas) catches them in CI.
 """
+from pathlib import Path
+
 import pytest
 
-from tilefuse.harness.compiler import compile_sm90
+from tools.compiler import compile_gluon_sm90, compile_sm90
 
 
 @pytest.mark.parametrize("activation,gated,norm", [("gelu", False, 0), ("swiglu", True, 0), ("gelu", False, 1),
@@ -22,7 +24,7 @@ def test_tma_gemm_compiles_to_wgmma(activation, gated, norm):
     # Aligned as at the bench shapes (N, K and row strides multiples of 16), which the spill check is about.
     aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "wu_ptr", "bu_ptr", "N", "K", "stride_xm", "stride_wn",
                "stride_wun", "stride_ym")
-    facts = compile_sm90("tilefuse.kernels.gemm_tma", "linear_tma_kernel", sig, consts, num_warps=8,
+    facts = compile_sm90("tilefuse.kernels.gemm.tma", "linear_tma_kernel", sig, consts, num_warps=8,
                          num_stages=3 if norm else 4, aligned=aligned)
     assert facts["wgmma"], facts
     assert facts["wgmma_a_in_registers"] == bool(norm), facts
@@ -37,7 +39,7 @@ def test_portable_gemm_compiles_for_sm90(split_k, gated):
     consts = dict(HAS_BIAS=True, ACTIVATION="geglu_tanh" if gated else "gelu_tanh", GATED=gated, SPLIT_K=split_k,
                   INPUT_PRECISION="tf32", UPCAST_DOT=False, BLOCK_M=128 if split_k == 1 else 16, BLOCK_N=64,
                   BLOCK_K=64 if split_k == 1 else 128, GROUP_M=8)
-    facts = compile_sm90("tilefuse.kernels.gemm_epilogue", "linear_epilogue_kernel", sig, consts, num_warps=8, num_stages=4)
+    facts = compile_sm90("tilefuse.kernels.gemm.portable", "linear_epilogue_kernel", sig, consts, num_warps=8, num_stages=4)
     assert facts["regs"] is not None, facts
     # wgmma needs 64-row warpgroup tiles: the 128-row tile must use it; 16-row split-K tiles use mma.
     assert facts["wgmma"] == (consts["BLOCK_M"] >= 64), facts
@@ -52,7 +54,7 @@ def test_split_k_reduces_in_one_launch_with_an_ordered_counter():
                   UPCAST_DOT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
     aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "wu_ptr", "bu_ptr", "ws_ptr", "N", "K", "K_SPLIT_LEN",
                "stride_xm", "stride_wn", "stride_wun", "stride_ym")  # as a launch on aligned tensors is
-    facts = compile_sm90("tilefuse.kernels.gemm_epilogue", "linear_epilogue_kernel", sig, consts, num_warps=4,
+    facts = compile_sm90("tilefuse.kernels.gemm.portable", "linear_epilogue_kernel", sig, consts, num_warps=4,
                          num_stages=4, aligned=aligned)
     assert facts["spill_store_bytes"] == 0, facts
     assert any(".gpu" in a and ".acq_rel" in a and ".add" in a for a in facts["atomics"]), facts
@@ -67,15 +69,15 @@ def test_first_kept_portable_config_fits_shared_memory(dtype, gated, split_k, pr
     stages asked for 288 KB on the H200.) The model the prune uses must not under-count the compiler."""
     import torch
 
-    from tilefuse import tuning
-    from tilefuse.kernels.gemm_epilogue import SMEM_LIMIT, portable_smem_bytes, prune_portable_configs
+    from tilefuse.kernels.gemm.configs import (PORTABLE_GEMM_CONFIGS, SMEM_LIMIT, SPLIT_K_GEMM_CONFIGS,
+                                               portable_smem_bytes, prune_portable_configs)
 
-    space = tuning.PORTABLE_GEMM_CONFIGS if split_k == 1 else tuning.SPLIT_K_GEMM_CONFIGS
+    space = PORTABLE_GEMM_CONFIGS if split_k == 1 else SPLIT_K_GEMM_CONFIGS
     x = torch.empty(1, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     cfg = prune_portable_configs(space, {"x_ptr": x}, GATED=gated, INPUT_PRECISION=precision)[0]
     consts = dict(HAS_BIAS=True, ACTIVATION="swiglu" if gated else "gelu", GATED=gated, SPLIT_K=split_k,
                   INPUT_PRECISION=precision, UPCAST_DOT=False, **cfg.kwargs)
-    facts = compile_sm90("tilefuse.kernels.gemm_epilogue", "linear_epilogue_kernel",
+    facts = compile_sm90("tilefuse.kernels.gemm.portable", "linear_epilogue_kernel",
                          {"*": f"*{dtype}", "ws_ptr": "*fp32"}, consts, cfg.num_warps, cfg.num_stages)
     model = portable_smem_bytes(cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"],
                                 cfg.num_stages, x.element_size(), gated,
@@ -91,7 +93,7 @@ def test_first_kept_attention_config_with_a_mask_fits_shared_memory(mask_type, u
     worst case (a mask row stride such as 300)."""
     import torch
 
-    from tilefuse.kernels import attention as att
+    from tilefuse.kernels.attention import launch as att
 
     q = torch.empty(1, dtype=torch.float16)
     first = att._prune(att.GPU_CONFIGS, {"q_ptr": q}, BLOCK_D=128, USE_DESC=use_desc, HAS_MASK=True)[0]
@@ -99,7 +101,7 @@ def test_first_kept_attention_config_with_a_mask_fits_shared_memory(mask_type, u
         consts = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=True, MASK_IS_BOOL=mask_type == "*u8",
                       STORE_LSE=False, EVEN_D=True, USE_DESC=use_desc, INPUT_PRECISION="tf32",
                       UPCAST_DOT=False, BLOCK_M=cfg.kwargs["BLOCK_M"], BLOCK_N=cfg.kwargs["BLOCK_N"], BLOCK_D=128)
-        facts = compile_sm90("tilefuse.kernels.attention", "attention_fwd_kernel",
+        facts = compile_sm90("tilefuse.kernels.attention.portable", "attention_fwd_kernel",
                              {"*": "*fp16", "lse_ptr": "*fp32", "mask_ptr": mask_type}, consts,
                              cfg.num_warps, cfg.num_stages)
         assert facts["shared"] <= 227 * 1024, (cfg, facts)
@@ -112,11 +114,11 @@ def test_pipelined_norm_configs_fit_shared_memory(shape, residual):
     (the pipeliner only buffers vectorizable loads), must fit, and the model must not under-count."""
     import torch
 
-    from tilefuse.kernels import norms as nm
+    from tilefuse.kernels.norms import launch as nm
 
     M, N = shape
     x = torch.empty(1, dtype=torch.bfloat16)
-    kept = nm._prune_fwd(nm.norm_fwd_autotuned.configs, {"N": N, "M": M, "x_ptr": x},
+    kept = nm._prune_fwd(nm.norm_fwd_tuned.configs, {"N": N, "M": M, "x_ptr": x},
                          HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=True)
     first = kept[0].kwargs
     assert first["LOOP_STAGES"] == 1 and first["BLOCK_N"] == min(N, nm.GPU_MAX_BLOCK_N)  # the old choice first
@@ -127,7 +129,7 @@ def test_pipelined_norm_configs_fit_shared_memory(shape, residual):
     sig = {"*": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "eps": "fp32"}
     aligned = ("x_ptr", "res_ptr", "w_ptr", "b_ptr", "y_ptr", "h_ptr", "N",
                "stride_xm", "stride_rm", "stride_ym", "stride_hm")
-    facts = compile_sm90("tilefuse.kernels.norms", "norm_fwd_kernel", sig, consts, cfg.num_warps, 3,
+    facts = compile_sm90("tilefuse.kernels.norms.kernels", "norm_fwd_kernel", sig, consts, cfg.num_warps, 3,
                          aligned=aligned)
     assert facts["shared"] <= 227 * 1024, (cfg, facts, model)
     assert facts["shared"] >= model // 2, ("the loop was not pipelined", cfg, facts, model)
@@ -139,15 +141,15 @@ def test_fp32_ieee_attention_tile_does_not_spill():
     there (and took a minute to compile). The FMA-path tile chosen at d = 128 must not spill."""
     import torch
 
-    from tilefuse.kernels import attention as att
+    from tilefuse.kernels.attention import launch as att
 
     q = torch.empty(1, dtype=torch.float32)
-    cfg = att._prune(att.attention_fwd_autotuned.configs, {"q_ptr": q}, BLOCK_D=128, USE_DESC=False,
+    cfg = att._prune(att.attention_fwd_tuned.configs, {"q_ptr": q}, BLOCK_D=128, USE_DESC=False,
                      HAS_MASK=False, INPUT_PRECISION="ieee")[0]
     assert cfg is att.heuristic_config(128, 4, "ieee")
     consts = dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, STORE_LSE=True, EVEN_D=True,
                   USE_DESC=False, INPUT_PRECISION="ieee", UPCAST_DOT=False, BLOCK_D=128, **cfg.kwargs)
-    facts = compile_sm90("tilefuse.kernels.attention", "attention_fwd_kernel", {"*": "*fp32"}, consts,
+    facts = compile_sm90("tilefuse.kernels.attention.portable", "attention_fwd_kernel", {"*": "*fp32"}, consts,
                          cfg.num_warps, cfg.num_stages)
     assert facts["spill_store_bytes"] == 0, (cfg, facts)
 
@@ -161,7 +163,7 @@ def test_pipelined_softmax_loop_configs_fit_shared_memory(backward, dtype, algor
     persistent variants too (their chunk loops sit inside the loop over rows and must still pipeline)."""
     import torch
 
-    from tilefuse.kernels import softmax as sm
+    from tilefuse.kernels.softmax import launch as sm
 
     t = torch.empty(1, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     named = {"y_ptr": t, "dy_ptr": t} if backward else {"x_ptr": t}
@@ -180,7 +182,7 @@ def test_pipelined_softmax_loop_configs_fit_shared_memory(backward, dtype, algor
     # Unit column strides, as a launch on contiguous rows specializes them.
     consts.update({k: 1 for k in ("stride_xn", "stride_yn", "stride_dyn", "stride_dxn")
                    if k in (("stride_yn", "stride_dyn", "stride_dxn") if backward else ("stride_xn", "stride_yn"))})
-    facts = compile_sm90("tilefuse.kernels.softmax", kernel, f"*{dtype}", consts, cfg.num_warps, 3, aligned=aligned)
+    facts = compile_sm90("tilefuse.kernels.softmax.kernels", kernel, f"*{dtype}", consts, cfg.num_warps, 3, aligned=aligned)
     assert 0 < facts["shared"] <= model + 2048 <= 227 * 1024, (cfg, facts, model)
     assert facts["shared"] >= model // 3, ("the loops were not pipelined", cfg, facts, model)
 
@@ -192,7 +194,7 @@ def test_register_capped_attention_tiles_fit_more_ctas_per_sm(block_d, causal):
     few bytes, and fit that many CTAs in registers and shared memory."""
     import torch
 
-    from tilefuse.kernels import attention as att
+    from tilefuse.kernels.attention import launch as att
 
     q = torch.empty(1, dtype=torch.bfloat16)
     kept = att._prune(att.GPU_CONFIGS, {"q_ptr": q}, BLOCK_D=block_d, USE_DESC=True, HAS_MASK=False)
@@ -203,7 +205,7 @@ def test_register_capped_attention_tiles_fit_more_ctas_per_sm(block_d, causal):
                   EVEN_D=True, USE_DESC=True, INPUT_PRECISION="tf32", UPCAST_DOT=False,
                   BLOCK_M=cfg.kwargs["BLOCK_M"], BLOCK_N=cfg.kwargs["BLOCK_N"], BLOCK_D=block_d)
     aligned = tuple(f"stride_{t}{a}" for t in "qkvo" for a in ("b", "h", "m" if t in "qo" else "n"))
-    facts = compile_sm90("tilefuse.kernels.attention", "attention_fwd_kernel",
+    facts = compile_sm90("tilefuse.kernels.attention.portable", "attention_fwd_kernel",
                          {"*": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}, consts, cfg.num_warps,
                          cfg.num_stages, aligned=aligned, maxnreg=cfg.maxnreg)
     ctas = min(65536 // (facts["regs"] * 32 * cfg.num_warps), (228 * 1024) // (facts["shared"] + 1024))
@@ -219,11 +221,11 @@ def test_register_capped_attention_tiles_fit_more_ctas_per_sm(block_d, causal):
 @pytest.mark.parametrize("gamma,beta", [(True, True), (False, False)])
 def test_weight_fold_compiles_for_sm90(gamma, beta):
     """layer_norm_linear's per-call weight fold (W * gamma, column sums, folded bias)."""
-    from tilefuse.kernels import norm_linear as nl
+    from tilefuse.kernels.gemm import configs as nl
     sig = {"*": "*bf16", "colsum_ptr": "*fp32", "shift_ptr": "*fp32"}
     consts = dict(HAS_GAMMA=gamma, HAS_BETA=beta, HAS_BIAS=True, NEED_COLSUM=True, BLOCK_N=nl.FOLD_BLOCK_N,
                   BLOCK_K=nl.FOLD_BLOCK_K)
-    facts = compile_sm90("tilefuse.kernels.norm_linear", "weight_fold_kernel", sig, consts,
+    facts = compile_sm90("tilefuse.kernels.gemm.norm_prologue", "weight_fold_kernel", sig, consts,
                          num_warps=nl.FOLD_WARPS, aligned=("w_ptr", "wf_ptr", "K", "stride_wn", "stride_wfn"))
     assert facts["regs"] is not None and facts["spill_store_bytes"] == 0, facts
 
@@ -234,9 +236,7 @@ def test_warp_specialized_attention_compiles_to_partitions(head_dim, has_left, h
     """The Gluon attention kernel is warp-specialized on sm_90a (Triton 3.6's tl code is not): the TTGIR
     holds the partitions, the producer's warpgroup gives its registers away (setmaxnreg 24) and the
     consumers take 240, 12 warps run, wgmma takes P from registers, and nothing spills."""
-    from tilefuse.harness.compiler import compile_gluon_sm90
-
-    facts = compile_gluon_sm90("tilefuse.kernels.attention_ws", "sm90_compile_job",
+    facts = compile_gluon_sm90("tools.compiler", "attention_ws_compile_job",
                                dict(head_dim=head_dim, has_left=has_left, has_right=has_right,
                                     config=dict(DEVICE_DESC=device_desc)))
     assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
@@ -245,12 +245,16 @@ def test_warp_specialized_attention_compiles_to_partitions(head_dim, has_left, h
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "none"])
-def test_warp_specialized_gemm_compiles_without_spills(activation):
-    """The Gluon ping-pong GEMM: partitions, setmaxnreg 24/240, wgmma from shared memory on both operands,
-    and no spills in any epilogue (at 232/40 registers the erf GELU spilled 20 bytes)."""
-    from tilefuse.harness.compiler import compile_gluon_sm90
+def test_warp_specialized_gemm_compiles_without_spills(activation, monkeypatch):
+    """The Gluon ping-pong GEMM (benchmarks/gemm_ws.py, lab code outside the package): partitions,
+    setmaxnreg 24/240, wgmma from shared memory on both operands, and no spills in any epilogue (at 232/40
+    registers the erf GELU spilled 20 bytes)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gemm_ws
 
-    facts = compile_gluon_sm90("tilefuse.kernels.gemm_ws", "sm90_compile_job", dict(activation=activation))
+    # Its default config, as its launch() uses it (the compile child imports gemm_ws the same way).
+    facts = compile_gluon_sm90("tools.compiler", "gemm_ws_compile_job",
+                               dict(activation=activation, config=dict(gemm_ws.DEFAULT_CONFIG)))
     assert facts["warp_specialized"] and facts["wgmma"] and not facts["wgmma_a_in_registers"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts

@@ -8,9 +8,28 @@ import dataclasses
 import pytest
 import torch
 
-import tilefuse.kernels.softmax as K
+import tilefuse.kernels.softmax.launch as K
+from tilefuse.kernels import launches
 from helpers import ON_GPU, assert_close
 from tilefuse.ops import softmax as S
+
+
+@pytest.fixture(autouse=True)
+def _records():
+    """Every test records its launches; ``_last(op)`` is the last record of that op (what ran)."""
+    with launches.recording() as recs:
+        _RECORDS.append(recs)
+        yield
+    _RECORDS.pop()
+
+
+_RECORDS: list = []
+
+
+def _last(op: str):
+    found = [r for r in _RECORDS[-1] if r.op == op]
+    assert found, f"no {op} launch recorded"
+    return found[-1]
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
                                         "ignore:divide by zero encountered:RuntimeWarning")
@@ -55,7 +74,7 @@ def test_extremes_match_torch(device, mode, algorithm, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16) if mode == "loop" else (torch.float32,):
         x = _extreme_rows(R, N, device, dtype)
         y = S.softmax(x, -1, algorithm=algorithm)
-        assert S.last_config["config"].startswith(f"{algorithm} {mode}"), S.last_config
+        assert _last("softmax").config.startswith(f"{algorithm} {mode}"), _last("softmax")
         ref = torch.softmax(x.double(), -1)
         assert torch.equal(y.isnan(), ref.isnan()), f"NaN rows differ: {y.isnan().any(-1)}"
         assert y.dtype == dtype
@@ -72,7 +91,7 @@ def test_max_in_the_last_chunk(device, mode, algorithm, monkeypatch):
     ramp = torch.linspace(-30, 30, N, device=device)
     x = torch.stack([ramp, ramp.flip(0), ramp * 100, -ramp * 100]).repeat(R, 1)[:R]
     y = S.softmax(x, -1, algorithm=algorithm)
-    assert S.last_config["config"].startswith(f"{algorithm} {mode}")
+    assert _last("softmax").config.startswith(f"{algorithm} {mode}")
     assert_close(y, torch.softmax(x.double(), -1), 1e-5, f"ramp {mode} {algorithm}")
 
 
@@ -84,7 +103,7 @@ def test_backward_matches_autograd(device, mode, monkeypatch):
     w = _rand(N, device=device, seed=3)
     xg = x.clone().requires_grad_()
     (S.softmax(xg, -1) * w).sum().backward()  # dy = w broadcast over rows: row stride 0
-    assert S.last_backward_config["config"].startswith(f"backward {mode}"), S.last_backward_config
+    assert _last("softmax_backward").config.startswith(f"backward {mode}"), _last("softmax_backward")
     x64 = x.double().requires_grad_()
     (torch.softmax(x64, -1) * w.double()).sum().backward()
     assert_close(xg.grad, x64.grad, 1e-5, f"grad {mode}")
@@ -106,7 +125,7 @@ def test_every_dim_of_a_4d_tensor(device):
 def test_layout_no_two_strides_can_address_is_copied(device):
     # A 4-d tensor permuted so its row dims form three stride groups: documented copy, same result.
     x = _rand(3, 4, 5, 6, device=device, seed=6).permute(3, 1, 0, 2)  # [6, 4, 3, 5], strides (1, 30, 120, 6)
-    assert S._row_split([x]) is None
+    assert K._row_split([x]) is None
     xg = x.detach().clone().requires_grad_()  # clone keeps the strides
     y = S.softmax(xg, -1)
     dy = _rand(*x.shape, device=device, seed=7).permute(3, 2, 1, 0).contiguous().permute(3, 2, 1, 0)
@@ -168,7 +187,7 @@ def test_auto_without_tuning_runs_online(device):
     y = S.softmax(x, -1)
     assert_close(y, torch.softmax(x.double(), -1), 1e-5, "auto")
     if not ON_GPU:
-        assert S.last_config["config"].startswith("online loop"), S.last_config
+        assert _last("softmax").config.startswith("online loop"), _last("softmax")
 
 
 @pytest.mark.skipif(ON_GPU, reason="drives the GPU launch path through the interpreter")
@@ -206,8 +225,8 @@ def test_auto_runs_the_algorithm_its_tuner_measured(plan, algorithm, monkeypatch
     y = S.softmax(x, -1, algorithm="auto")
     assert_close(y, torch.softmax(x.double(), -1), 1e-5, f"auto {plan} {algorithm}")
     assert tuner.best_config is chosen
-    assert S.last_config["config"].startswith(f"auto {algorithm} {'split' if plan == 'split' else 'loop'}"), \
-        S.last_config
+    assert _last("softmax").config.startswith(f"auto {algorithm} {'split' if plan == 'split' else 'loop'}"), \
+        _last("softmax")
 
 
 def test_h200_plans():
@@ -258,7 +277,7 @@ def test_bad_input_raises_before_launch(kwargs, exc, match):
 @pytest.mark.skipif(ON_GPU, reason="the interpreter path is the CPU path")
 def test_interpreter_path_is_used_on_cpu():
     S.softmax(torch.randn(3, 4))
-    assert S.last_config["path"] == "interpreter"
+    assert _last("softmax").path == "interpreter"
 
 
 @pytest.mark.gpu_only
@@ -267,7 +286,7 @@ def test_interpreter_path_is_used_on_cpu():
 def test_million_column_rows(rows, algorithm):
     x = _rand(rows, 1 << 20, device="cuda", seed=10, scale=4.0).requires_grad_()
     y = S.softmax(x, -1, algorithm=algorithm)
-    assert "split" in S.last_config["config"]
+    assert "split" in _last("softmax").config
     _check_fwd_bwd(x, y, _rand(rows, 1 << 20, device="cuda", seed=11), f"1M {rows} {algorithm}")
 
 
@@ -318,7 +337,7 @@ def test_persistent_chunk_loop_covers_every_row(algorithm, monkeypatch):
         monkeypatch.setattr(tuner, "cache", {})
     x = (torch.randn(9, 300, generator=torch.Generator().manual_seed(3)) * 4).requires_grad_()
     y = S.softmax(x, dim=-1, algorithm=algorithm)
-    assert "persistent 1/SM" in S.last_config["config"], S.last_config
+    assert "persistent 1/SM" in _last("softmax").config, _last("softmax")
     _check_fwd_bwd(x, y, torch.randn(9, 300, generator=torch.Generator().manual_seed(4)), f"persistent {algorithm}")
 
 
@@ -335,7 +354,7 @@ def test_persistent_chunk_loop_on_gpu(per_sm, block_n, monkeypatch):
         monkeypatch.setattr(tuner, "cache", {})
     x = _rand(600, 20000, device="cuda", seed=12, scale=4.0).requires_grad_()
     y = S.softmax(x, -1, algorithm="online")
-    assert f"persistent {per_sm}/SM" in S.last_config["config"], S.last_config
+    assert f"persistent {per_sm}/SM" in _last("softmax").config, _last("softmax")
     _check_fwd_bwd(x, y, _rand(600, 20000, device="cuda", seed=13), f"persistent {per_sm}/SM")
 
 

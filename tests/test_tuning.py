@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from tilefuse import cli, tuning
+from tilefuse import cli, sizes, tuning
+from tilefuse.harness import tune as harness_tune
+from tilefuse.tuning import autotuner, tables as tables_mod
 
 GPU_NAME = "NVIDIA Test GPU 80GB"
 SLUG = "nvidia-test-gpu-80gb"
@@ -47,9 +49,9 @@ class Recorder:
 def tables(tmp_path, monkeypatch):
     """User cache and shipped tables in temp folders; every launch 'runs on' GPU_NAME."""
     monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path / "shipped")
-    monkeypatch.setattr(tuning, "_device_name", lambda args: GPU_NAME)
-    monkeypatch.setattr(tuning, "_use_stored_configs", True)
+    monkeypatch.setattr(tables_mod, "SHIPPED_DIR", tmp_path / "shipped")  # read by tables.shipped_table_path
+    monkeypatch.setattr(autotuner, "_device_name", lambda args: GPU_NAME)  # the tuner's own import of it
+    monkeypatch.setattr(autotuner, "_use_stored_configs", True)
     return tmp_path
 
 
@@ -69,14 +71,14 @@ def make_tuner(monkeypatch, name="tiny", configs=SPACE, pinned=False, prune=None
                                   prune_configs_by={"early_config_prune": prune} if prune else None)
     tuner.fn = Recorder(fail_for)
     tuner.benched = benched
-    monkeypatch.setitem(tuning._TUNERS, name, tuner)
+    monkeypatch.setitem(autotuner._TUNERS, name, tuner)
     return tuner
 
 
 def launch(tuner, n=100, activation="gelu", dtype=torch.float16):
     x = torch.zeros(n, dtype=dtype)
     y = torch.zeros(n, dtype=torch.float32)
-    tuner.run(x, y, n, tuning.m_bucket(n), grid=(1,), ACTIVATION=activation)
+    tuner.run(x, y, n, sizes.m_bucket(n), grid=(1,), ACTIVATION=activation)
     return tuner.fn.calls[-1]
 
 
@@ -123,20 +125,23 @@ def test_cache_dir_override_and_defaults(tmp_path, monkeypatch):
 
 
 def test_every_package_kernel_has_its_own_table_name():
-    from tilefuse.kernels import attention, gemm_epilogue, norm_linear, norms, softmax  # noqa: F401
+    import tilefuse.kernels.attention.launch  # noqa: F401
+    import tilefuse.kernels.gemm.launch  # noqa: F401
+    import tilefuse.kernels.norms.launch  # noqa: F401
+    import tilefuse.kernels.softmax.launch as softmax
 
-    names = [t.name for t in tuning._TUNERS.values()]
+    names = [t.name for t in autotuner._TUNERS.values()]
     assert len(names) == len(set(names))
     # Each kernel names its table explicitly, so tables never depend on definition order.
     assert {"linear_portable", "linear_splitk", "attention_fwd", "softmax_fwd_block", "softmax_fwd_loop",
             "softmax_bwd_block", "softmax_bwd_loop", "norm_fwd", "norm_linear"} <= set(names)
     assert not any(n.endswith("_2") for n in names), names
-    assert tuning._TUNERS["softmax_fwd_block"] is softmax.softmax_fwd_block_tuned
-    assert tuning._TUNERS["softmax_fwd_loop"] is softmax.softmax_fwd_loop_tuned
+    assert autotuner._TUNERS["softmax_fwd_block"] is softmax.softmax_fwd_block_tuned
+    assert autotuner._TUNERS["softmax_fwd_loop"] is softmax.softmax_fwd_loop_tuned
 
 
 def test_names_are_unique(monkeypatch):
-    monkeypatch.setattr(tuning, "_TUNERS", {})
+    monkeypatch.setattr(autotuner, "_TUNERS", {})
     first = tuning.autotune(SPACE, key=["N"])(tiny_kernel)
     second = tuning.autotune(SPACE, key=["N"])(tiny_kernel)
     named = tuning.autotune(SPACE, key=["N"], name="tiny_loop")(tiny_kernel)
@@ -204,14 +209,14 @@ def test_user_cache_entry_runs_alone_without_benchmarking(tables, monkeypatch):
     call = launch(tuner)
     assert tuner.benched == [] and len(tuner.fn.calls) == 1
     assert (call["BLOCK"], call["num_warps"], call["num_stages"]) == (512, 2, 1)
-    assert tuner.best_config == outside_space
+    assert tuner.best_config == outside_space and tuner.launched_config() == outside_space
     [rec] = tuning.tuning_record("tiny")
     assert rec["source"] == "user cache" and rec["key"] == KEY_TEXT
 
 
 def _launch_args(n=100, activation="gelu"):
     x, y = torch.zeros(n, dtype=torch.float16), torch.zeros(n)
-    return (x, y, n, tuning.m_bucket(n)), {"grid": (1,), "ACTIVATION": activation}
+    return (x, y, n, sizes.m_bucket(n)), {"grid": (1,), "ACTIVATION": activation}
 
 
 def test_shipped_table_is_used_and_user_cache_wins_over_it(tables, monkeypatch):
@@ -271,7 +276,7 @@ def test_second_key_merges_into_the_same_file(tables, monkeypatch):
 
 def test_retune_ignores_stored_configs(tables, monkeypatch):
     store(tuning.user_cache_path(SLUG, "tiny"), user_table({KEY_TEXT: entry_for(SPACE[0])}))
-    monkeypatch.setattr(tuning, "_use_stored_configs", False)
+    monkeypatch.setattr(autotuner, "_use_stored_configs", False)
     tuner = make_tuner(monkeypatch)
     assert launch(tuner)["BLOCK"] == 128 and len(tuner.benched) == 3
     stored = json.loads(tuning.user_cache_path(SLUG, "tiny").read_text())["entries"][KEY_TEXT]
@@ -367,7 +372,7 @@ def test_atomic_write_leaves_old_file_when_interrupted(tmp_path, monkeypatch):
         f.write('{"v": ')
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tuning.json, "dump", dump_half_then_fail)
+    monkeypatch.setattr(tables_mod.json, "dump", dump_half_then_fail)
     with pytest.raises(KeyboardInterrupt):
         tuning.atomic_write_json(path, {"v": 2})
     assert json.loads(path.read_text()) == {"v": 1}
@@ -408,7 +413,7 @@ def test_write_table_merges_into_shipped_format(tables, monkeypatch):
     assert table["tiny"][KEY_TEXT]["config"]["kwargs"] == {"BLOCK": 128}
     assert len(table["tiny"][KEY_TEXT]["timings"]) == 3
     # The written table is what the lookup reads as a shipped table.
-    monkeypatch.setattr(tuning, "SHIPPED_DIR", out.parent)
+    monkeypatch.setattr(tables_mod, "SHIPPED_DIR", out.parent)
     found = tuning.lookup("nvidia-test", "tiny", KEY_TEXT)
     assert found[1] == "shipped" and found[0]["config"]["kwargs"] == {"BLOCK": 128}
 
@@ -452,7 +457,7 @@ def test_tune_ops_runs_each_bench_case_of_the_dtypes_asked_and_goes_on_after_a_f
                                dict(n=7, dtype=torch.bfloat16, fail=True), dict(n=9, dtype=torch.bfloat16)])
     monkeypatch.setitem(registry.REGISTRY, "fake", spec)
     lines = []
-    failures = tuning.tune_ops(["fake"], dtypes=["bf16"], device="cpu", log=lines.append)
+    failures = harness_tune.tune_ops(["fake"], dtypes=["bf16"], device="cpu", log=lines.append)
     assert ran == [((3,), torch.bfloat16), ((9,), torch.bfloat16)]
     assert len(failures) == 1 and "n=7" in failures[0] and "RuntimeError: out of memory" in failures[0]
     assert sum("FAILED" in line for line in lines) == 1 and len(lines) == 3
@@ -463,7 +468,7 @@ def test_tune_command_prints_choices_and_merges_out_table(tables, monkeypatch, c
     asked = {}
 
     def fake_tune_ops(names, dtypes=None, **kw):
-        asked.update(names=names, dtypes=dtypes, stored=tuning._use_stored_configs)
+        asked.update(names=names, dtypes=dtypes, stored=autotuner._use_stored_configs)
         launch(tuner)
         return []
 
@@ -471,8 +476,8 @@ def test_tune_command_prints_choices_and_merges_out_table(tables, monkeypatch, c
     monkeypatch.delenv("TILEFUSE_AUTOTUNE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU_NAME)
-    monkeypatch.setattr(tuning, "tune_ops", fake_tune_ops)
-    monkeypatch.setattr(tuning, "_TUNERS", {"tiny": tuner})
+    monkeypatch.setattr(harness_tune, "tune_ops", fake_tune_ops)  # cmd_tune imports it when it runs
+    monkeypatch.setattr(autotuner, "_TUNERS", {"tiny": tuner})
     out = tables / f"{SLUG}.json"
     assert cli.main(["tune", "--ops", "linear", "--dtype", "bf16", "--retune", "--out", str(out)]) == 0
     assert asked == {"names": ["linear"], "dtypes": ["bf16"], "stored": False}
@@ -509,16 +514,20 @@ def test_shipped_tables_match_the_kernels_they_name():
     import json
     from pathlib import Path
 
-    from tilefuse.kernels import attention, gemm_epilogue, gemm_tma, norm_linear, norms, softmax  # noqa: F401
+    import tilefuse.kernels.attention.launch  # noqa: F401
+    import tilefuse.kernels.gemm.launch  # noqa: F401
+    import tilefuse.kernels.norms.launch  # noqa: F401
+    import tilefuse.kernels.softmax.launch  # noqa: F401
 
-    tables = sorted(Path(tuning.__file__).with_name("configs").glob("*.json"))
+    assert tables_mod.SHIPPED_DIR == Path(tuning.tables.__file__).parent.parent / "configs"
+    tables = sorted(tables_mod.SHIPPED_DIR.glob("*.json"))
     assert tables, "no shipped table"
     for path in tables:
         raw = json.loads(path.read_text())
         loaded = tuning.load_shipped_table(path)
         assert {k: len(v) for k, v in loaded.items()} == {k: len(v) for k, v in raw["kernels"].items()}, path
         for kernel, entries in loaded.items():
-            tuner = tuning._TUNERS[kernel]
+            tuner = autotuner._TUNERS[kernel]
             for key, entry in entries.items():
                 names = [part.split("=", 1)[0] for part in key.split(" dtypes=")[0].split()]
                 assert names == [k for k in tuner.keys if k in names] and set(names) <= set(tuner.keys), (kernel, key)
@@ -541,14 +550,17 @@ def test_shipped_table_keys_name_each_kernels_live_key_arguments():
     """A shipped entry is only found when its key text is the one the live tuner writes: the key argument
     names, in order, then the dtypes. A kernel that gains a key argument (linear_tma's NORM) must carry
     its table along, or every shipped shape silently autotunes again on first use."""
-    from tilefuse.kernels import attention, gemm_epilogue, gemm_tma, norm_linear, norms, softmax  # noqa: F401
+    import tilefuse.kernels.attention.launch  # noqa: F401
+    import tilefuse.kernels.gemm.launch  # noqa: F401
+    import tilefuse.kernels.norms.launch  # noqa: F401
+    import tilefuse.kernels.softmax.launch  # noqa: F401
 
     path = tuning.shipped_table_path("nvidia-h200")
     table = json.loads(path.read_text())
     assert table["kernels"], path
     for kernel, entries in table["kernels"].items():
-        assert kernel in tuning._TUNERS, f"{path} names {kernel!r}, which no tuner has"
-        names = list(tuning._TUNERS[kernel].keys)
+        assert kernel in autotuner._TUNERS, f"{path} names {kernel!r}, which no tuner has"
+        names = list(autotuner._TUNERS[kernel].keys)
         for key in entries:
             head, _, dtypes = key.partition(" dtypes=")
             assert dtypes, key

@@ -123,6 +123,7 @@ def cmd_tune(args) -> int:
               file=sys.stderr)
         return 2
     from tilefuse import registry, tuning
+    from tilefuse.harness.tune import tune_ops
 
     unknown = [name for name in args.ops or [] if name not in registry.REGISTRY]
     if unknown:
@@ -132,7 +133,7 @@ def cmd_tune(args) -> int:
     gpu = torch.cuda.get_device_name()
     print(f"tuning on {gpu}; user cache: {tuning.cache_dir() / tuning.gpu_slug(gpu)}")
     tuning.use_stored_configs(not args.retune)
-    failures = tuning.tune_ops(args.ops or list(registry.REGISTRY), dtypes=args.dtype)
+    failures = tune_ops(args.ops or list(registry.REGISTRY), dtypes=args.dtype)
     records = tuning.tuning_records()
     for r in records:
         print(f"{r['kernel']} [{r['key']}]\n    {tuning.describe_record(r)}")

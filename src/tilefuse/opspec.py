@@ -29,19 +29,6 @@ def default_tolerance(dtype: torch.dtype) -> float:
     return REL_L2_BOUND[dtype]
 
 
-def function_node(out: torch.Tensor, function_name: str):
-    """The graph node of the custom ``torch.autograd.Function`` named ``function_name`` behind ``out``
-    (walking back past views the op may have added). A Function's node is its ``ctx``, so calling
-    ``Function.backward(node, ...)`` runs the backward's own code without the autograd engine: what the
-    report times for a backward row's GPU-only column, since the engine's replay cannot be captured."""
-    node = out.grad_fn
-    while node is not None and type(node).__name__ != f"{function_name}Backward":
-        node = node.next_functions[0][0]
-    if node is None:
-        raise RuntimeError(f"the forward did not go through tilefuse's {function_name}")
-    return node
-
-
 @dataclass
 class OpSpec:
     """Everything the tests, the benchmarks and the report need to know about one op.
@@ -68,7 +55,6 @@ class OpSpec:
     hbm_bytes: Callable[[dict], dict[str, float]]  # {"fused": bytes, "unfused": bytes}
     bound: str  # "compute", "memory" or "read": which ceiling the roofline % is taken against
     anchors: Callable[[dict], dict[str, Callable[..., Any]]] = lambda params: {}
-    config_used: Callable[[], str] = lambda: "n/a"
     tolerance: Callable[[dict], float] = lambda params: default_tolerance(params["dtype"])
     label: Callable[[dict], str] = lambda params: " ".join(
         f"{k}={dtype_name(v) if isinstance(v, torch.dtype) else v}" for k, v in params.items())

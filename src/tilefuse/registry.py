@@ -8,8 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from tilefuse.opspec import (DTYPE_NAMES, REL_L2_BOUND, REL_L2_BOUND_TF32, OpSpec,  # noqa: F401
-                             default_tolerance, dtype_name, pairwise, product)
+from tilefuse.opspec import OpSpec
 
 
 def _load() -> dict[str, OpSpec]:

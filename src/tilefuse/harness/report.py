@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from tilefuse import registry, runtime, tuning
+from tilefuse.kernels import launches
+from tilefuse.opspec import OpSpec, dtype_name
 from tilefuse.harness import plots
 from tilefuse.harness.stats import error_stats, poison_outputs_like, to_float64
 from tilefuse.harness.timing import bench_ms, graph_ms, host_us, measure_ceilings
@@ -41,7 +43,7 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def accuracy_for_op(spec: registry.OpSpec, seeds: int, progress=None, task=None) -> list[dict]:
+def accuracy_for_op(spec: OpSpec, seeds: int, progress=None, task=None) -> list[dict]:
     device = _device()
     rows = []
     cases = spec.accuracy_cases["gpu" if device.type == "cuda" else "cpu"]
@@ -61,7 +63,7 @@ def accuracy_for_op(spec: registry.OpSpec, seeds: int, progress=None, task=None)
             if progress is not None:
                 progress.advance(task)
         rows.append({
-            "case": spec.label(params), "dtype": registry.dtype_name(params["dtype"]), "seeds": seeds,
+            "case": spec.label(params), "dtype": dtype_name(params["dtype"]), "seeds": seeds,
             "rel_l2": rel, "max_abs": mx, "nan_mismatch": nan_bad, "bound": bound,
             "rel_l2_median": _median(rel), "rel_l2_max": max(rel), "max_abs_max": max(mx),
             "pass": nan_bad == 0 and max(rel) <= bound,
@@ -75,17 +77,18 @@ def _median(xs):
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_filter) -> dict:
+def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter) -> dict:
     """One benchmark row: fused vs eager vs anchors, same inputs, same process."""
     device = _device()
     inputs = spec.make_inputs(params, device, 0)
     flops = spec.flops(params)
     bytes_model = spec.hbm_bytes(params)
-    row = {"case": spec.label(params), "dtype": registry.dtype_name(params["dtype"]),
+    row = {"case": spec.label(params), "dtype": dtype_name(params["dtype"]),
            "flops": flops, "hbm_bytes": bytes_model}
     with torch.no_grad():
-        out = spec.fused(**inputs)
-        row["config"] = spec.config_used()
+        with launches.recording() as recs:
+            out = spec.fused(**inputs)
+        row["config"] = describe_launches(recs)
         ref = spec.reference(**to_float64(inputs))
         st = error_stats(out, ref)
         del ref, out
@@ -105,7 +108,9 @@ def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_f
             row["graph_ms"] = "not captured (autograd)"
         else:
             row["graph_ms"] = graph_ms(lambda: spec.fused(**inputs))
-        row["config"] = spec.config_used()
+        with launches.recording() as recs:
+            spec.fused(**inputs)  # what runs once tuned (the first call may have tuned)
+        row["config"] = describe_launches(recs)
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
         for name, fn in spec.anchors(params).items():
@@ -119,6 +124,16 @@ def speed_for_case(spec: registry.OpSpec, params: dict, ceilings: dict, anchor_f
     row["speedup"] = {k: (v / ms if isinstance(v, float) else None) for k, v in timings.items()}
     row["roofline_pct"] = _roofline_pct(spec, params, row, ceilings)
     return row
+
+
+def describe_launches(records) -> str:
+    """The launch records of one call as the report's config column (each distinct record once)."""
+    texts = []
+    for r in records:
+        text = r.describe().replace(" (replayed)", "")
+        if text not in texts:
+            texts.append(text)
+    return "; ".join(texts) or "no kernel (reference or empty input)"
 
 
 def _host_bound_mark(row) -> str:
@@ -171,7 +186,7 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     specs = [registry.get(n) for n in ops] if ops else list(registry.REGISTRY.values())
 
     def selected(spec, params):
-        return ((dtypes is None or registry.dtype_name(params["dtype"]) in dtypes)
+        return ((dtypes is None or dtype_name(params["dtype"]) in dtypes)
                 and (not case_filter or any(re.search(f, spec.label(params)) for f in case_filter)))
 
     bench_plan = {s.name: [p for p in s.bench_cases if selected(s, p)] for s in specs}
@@ -201,7 +216,7 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
                     _write(result, out)  # after every row, so a run cut short still leaves its results
                 else:  # the byte model still holds; times do not
                     entry["speed"].append({"case": spec.label(params),
-                                           "dtype": registry.dtype_name(params["dtype"]),
+                                           "dtype": dtype_name(params["dtype"]),
                                            "flops": spec.flops(params), "hbm_bytes": spec.hbm_bytes(params),
                                            "ms": None})
             entry["tuning"] = [r for r in tuning.tuning_records()

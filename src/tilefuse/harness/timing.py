@@ -56,7 +56,7 @@ def host_us(fn, calls: int = 20, rounds: int = 3, warmup: int = 0) -> float:
     the best of ``rounds`` rounds of ``calls`` calls (a shared CPU's noise only ever adds time), with no
     synchronization inside a round. When this exceeds the kernel time, do_bench measures the host, not
     the GPU: the report shows both so that such rows are visible. Also times the stubbed launch path
-    on a CPU (tilefuse.harness.host_path)."""
+    on a CPU (tests/tools/host_path.py)."""
     on_gpu = torch.cuda.is_available()
     for _ in range(warmup):
         fn()

@@ -1,4 +1,4 @@
-"""Activation math as Triton helpers: one copy of each value and derivative, shared by every epilogue.
+"""Activation math as Triton helpers: one copy of each, shared by every epilogue.
 
 All helpers take and return fp32 tiles. NaN propagates as in PyTorch (relu(NaN) = NaN: the comparison
 is written so that NaN falls through to ``x``). ``tanh`` is written through ``sigmoid`` because triton
@@ -7,14 +7,12 @@ is written so that NaN falls through to ``x``). ``tanh`` is written through ``si
 import triton
 import triton.language as tl
 
-from tilefuse.constants import ACTIVATIONS, GATED_ACTIVATIONS  # noqa: F401  (names implemented below)
 
 # Globals read inside @triton.jit must be tl.constexpr (the compiler refuses plain floats; the
 # interpreter does not check, so this is only caught on a GPU).
 _SQRT1_2 = tl.constexpr(0.7071067811865476)       # 1/sqrt(2), GELU erf form
 _SQRT2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2/pi), GELU tanh form
 _GELU_TANH_C = tl.constexpr(0.044715)
-_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)   # 1/sqrt(2*pi), the normal pdf
 
 
 @triton.jit
@@ -28,24 +26,9 @@ def gelu_erf(x):
 
 
 @triton.jit
-def gelu_erf_grad(x):
-    cdf = 0.5 * (1.0 + tl.erf(x * _SQRT1_2))
-    pdf = _INV_SQRT_2PI * tl.exp(-0.5 * x * x)
-    return cdf + x * pdf
-
-
-@triton.jit
 def gelu_tanh(x):
     inner = _SQRT2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
     return 0.5 * x * (1.0 + tanh(inner))
-
-
-@triton.jit
-def gelu_tanh_grad(x):
-    inner = _SQRT2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
-    t = tanh(inner)
-    d_inner = _SQRT2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * x * x)
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
 
 
 @triton.jit
@@ -54,19 +37,8 @@ def relu(x):
 
 
 @triton.jit
-def relu_grad(x):
-    return tl.where(x > 0.0, 1.0, 0.0)
-
-
-@triton.jit
 def silu(x):
     return x * tl.sigmoid(x)
-
-
-@triton.jit
-def silu_grad(x):
-    s = tl.sigmoid(x)
-    return s * (1.0 + x * (1.0 - s))
 
 
 @triton.jit
@@ -81,22 +53,6 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "silu":
         x = silu(x)
     return x
-
-
-@triton.jit
-def activation_grad(x, ACTIVATION: tl.constexpr):
-    """d act(x) / dx for the same names; identity has derivative 1."""
-    if ACTIVATION == "gelu":
-        g = gelu_erf_grad(x)
-    elif ACTIVATION == "gelu_tanh":
-        g = gelu_tanh_grad(x)
-    elif ACTIVATION == "relu":
-        g = relu_grad(x)
-    elif ACTIVATION == "silu":
-        g = silu_grad(x)
-    else:
-        g = tl.full(x.shape, 1.0, tl.float32)
-    return g
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Host-side TMA descriptors for the Gluon kernels (attention_ws.py, gemm_ws.py): a tensor's view in tiles
+"""Host-side TMA descriptors for the Gluon kernels (kernels/attention/ws.py): a tensor's view in tiles
 of ``block_shape``, in the shared layout wgmma reads without bank conflicts."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tile-order helpers shared by the GEMM kernels, and host-side helpers every launcher uses."""
+"""Tile-order helpers shared by the GEMM kernels, and the descriptor allocator the TMA kernels need."""
 import torch
 import triton
 import triton.language as tl
@@ -16,17 +16,6 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_pid_m + ((tile_id % pids_per_group) % group_size_m)
     pid_n = (tile_id % pids_per_group) // group_size_m
     return pid_m, pid_n
-
-
-# Host-side integer helpers for launch paths. triton.cdiv and triton.next_power_of_2 are constexpr
-# functions whose every host call costs microseconds of Python; launchers call these on every launch.
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 _descriptor_allocator_set = False

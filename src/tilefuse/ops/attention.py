@@ -1,45 +1,24 @@
 """tilefuse.attention and tilefuse.scaled_dot_product_attention: FlashAttention forward (one kernel).
 
-Both surfaces share one kernel (tilefuse.kernels.attention). attention() aligns positions
-bottom-right (query row i sits at key position i + Nk - Nq, as FlashAttention does);
-scaled_dot_product_attention() follows torch's SDPA: top-left causal (position offset 0), optional
-bool/additive mask read with its broadcast strides, broadcast batch dims, enable_gqa.
+Both surfaces share one registered op (``tilefuse::attention``) and the attention family's launch
+layer. attention() aligns positions bottom-right (query row i sits at key position i + Nk - Nq, as
+FlashAttention does); scaled_dot_product_attention() follows torch's SDPA: top-left causal (position
+offset 0), optional bool/additive mask read with its broadcast strides, broadcast batch dims,
+enable_gqa.
 """
 from __future__ import annotations
 
-import contextlib
 import math
+from typing import Optional
 
 import torch
 
 from tilefuse import runtime
-from tilefuse.ops._checks import (check_no_grad_needed, check_same_device, check_same_dtype,
-                                  check_tensor)
+from tilefuse.ops import _dispatch
+from tilefuse.ops._checks import check_no_grad_needed, check_same_device, check_same_dtype, check_tensor
 from tilefuse.reference import attention as ref_attention
 
 MAX_HEAD_DIM = 256
-
-# The config of the most recent launch, for the report; ``deterministic`` is recorded for the
-# backward pass (forward is always deterministic: one program owns each output tile).
-last_config = {"config": None, "path": None, "deterministic": False}
-
-# Which forward kernel launch_attention may pick: "auto" (the warp-specialized Hopper kernel where it
-# applies, else the portable one) or "portable". Benchmarks set it through ``forward_kernel`` to measure
-# the portable kernel side by side with the default.
-_kernel_choice = {"kernel": "auto"}
-
-
-@contextlib.contextmanager
-def forward_kernel(kernel: str):
-    """``with forward_kernel("portable"): ...`` runs attention / SDPA calls on that kernel."""
-    if kernel not in ("auto", "portable"):
-        raise ValueError(f"kernel must be 'auto' or 'portable', got {kernel!r}")
-    before = _kernel_choice["kernel"]
-    _kernel_choice["kernel"] = kernel
-    try:
-        yield
-    finally:
-        _kernel_choice["kernel"] = before
 
 
 def _check_qkv_common(q, k, v, q_name="q", k_name="k", v_name="v", *, ndim=None, min_dim=2):
@@ -65,30 +44,51 @@ def _check_scale(scale):
         raise ValueError(f"scale must be None or a finite number, got {scale!r}")
 
 
-def _precision(q: torch.Tensor) -> str:
-    if q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
-        return "ieee"
-    return "tf32"  # fp32 with allow_tf32; ignored by tl.dot for 16-bit operands
-
-
-def _run(q, k, v, mask, scale, pos_offset, left, right, return_lse, path):
-    """q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], mask None or expanded to [B, Hq, Nq, Nk] (views)."""
+def _empty_outputs(q, return_lse):
     B, Hq, Nq, d = q.shape
-    Nk = k.shape[2]
     out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device) if return_lse else None
-    if out.numel() == 0 or Nk == 0:  # no key at all: every row sees nothing -> 0, lse -inf
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return out, lse
-    from tilefuse.kernels.attention import launch_attention  # imports triton lazily
-
-    cfg = launch_attention(q, k, v, out, lse, mask, scale=scale, pos_offset=pos_offset,
-                           window_left=left, window_right=right, input_precision=_precision(q),
-                           interpret=(path == runtime.INTERPRETER), kernel=_kernel_choice["kernel"])
-    last_config["config"] = cfg
+    lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
     return out, lse
+
+
+def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, kernel="auto"):
+    """(out, lse) for 4-D q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], mask None or a view of
+    [B, Hq, Nq, Nk]; lse is an empty tensor without ``return_lse``. ``kernel`` forces a kernel of the
+    launch layer (its ``KERNELS``); the registered op always takes "auto"."""
+    path = runtime.execution_path(q)
+    Nq, Nk = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    pos_offset = Nk - Nq if bottom_right else 0
+    if q.numel() == 0 or Nk == 0:  # no key at all: every row sees nothing -> 0, lse -inf
+        _dispatch.record_reference("attention", path)
+        out, lse = _empty_outputs(q, return_lse)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    if path == runtime.REFERENCE:
+        _dispatch.record_reference("attention", path)
+        out, lse = _empty_outputs(q, return_lse)
+        ref, ref_lse = ref_attention.attend(q, k, v, mask, scale, pos_offset, window_left, window_right)
+        out.copy_(ref)
+        if return_lse:
+            lse.copy_(ref_lse)
+        return out, lse
+    from tilefuse.kernels.attention import launch  # imports triton: only once a kernel is to run
+    with _dispatch.on_device(q):
+        return launch.forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path,
+                              kernel=kernel)
+
+
+@torch.library.custom_op("tilefuse::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                  scale: Optional[float], bottom_right: bool, window_left: int, window_right: int,
+                  return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse)
+
+
+@_attention_op.register_fake
+def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse):
+    return _empty_outputs(q, return_lse)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -102,7 +102,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``j <= p``; ``window=(left, right)`` keys ``p - left <= j <= p + right`` (-1: unbounded side;
     with causal, right = 0). A row that sees no key returns 0 (lse -inf). ``scale`` defaults to
     ``d ** -0.5``. ``return_lse=True`` returns ``(out, lse)``, lse fp32 ``[B, Hq, Nq]`` natural log.
-    d <= 256; fp16, bf16, fp32 (full fp32 dots unless ``allow_tf32``). Forward only.
+    d <= 256; fp16, bf16, fp32 (full fp32 dots unless ``allow_tf32``). Forward only; ``deterministic``
+    is accepted for the backward (the forward is deterministic: one program owns each output tile).
+    Registered as ``torch.ops.tilefuse.attention``.
     """
     _check_qkv_common(q, k, v, ndim=4)
     if v.shape != k.shape:
@@ -116,24 +118,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
             raise ValueError(f"window must be None or (left, right) with ints >= -1, got {window!r}")
     _check_scale(scale)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     check_no_grad_needed("attention", q, k, v)
-    last_config.update(config=None, path=runtime.execution_path(q), deterministic=bool(deterministic))
-    path = last_config["path"]
-    if path == runtime.REFERENCE:
-        return ref_attention.attention(q, k, v, causal=causal, window=window, scale=scale,
-                                       return_lse=return_lse)
     left, right = tuple(window) if window is not None else (-1, -1)
     if causal:
         right = 0
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, lse = _run(q, k, v, None, scale, k.shape[2] - q.shape[2], left, right, return_lse, path)
+    scale = None if scale is None else float(scale)
+    if _dispatch.direct(q, k, v):
+        out, lse = _attention_impl(q, k, v, None, scale, True, left, right, return_lse)
+    else:
+        out, lse = _attention_op(q, k, v, None, scale, True, left, right, return_lse)
     return (out, lse) if return_lse else out
 
 
 def _broadcast_shape(*shapes) -> tuple | None:
     """The broadcast of ``shapes`` (torch's rules), or None if they do not broadcast. Plain Python:
     torch.broadcast_shapes goes through symbolic-shape machinery that costs ~30 us per call."""
-    out = [1] * max((len(s) for s in shapes), default=0)
+    out = [1] * max([len(s) for s in shapes] + [0])
     for shape in shapes:
         for i, d in enumerate(shape, len(out) - len(shape)):
             if d == out[i] or d == 1:
@@ -210,14 +212,12 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                              f"attention weights' shape {score_shape}")
     _check_scale(scale)
     check_no_grad_needed("scaled_dot_product_attention", query, key, value, attn_mask)
-    path = runtime.execution_path(query)
-    last_config.update(config=None, path=path)
-    if path == runtime.REFERENCE:
-        return ref_attention.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal,
-                                                          scale, enable_gqa)
     q4, k4, v4 = _to_4d(query, q_shape), _to_4d(key, kv_shape), _to_4d(value, kv_shape)
     mask4 = _to_4d(attn_mask, score_shape) if attn_mask is not None else None
-    scale = E ** -0.5 if scale is None else float(scale)
+    scale = None if scale is None else float(scale)
     right = 0 if is_causal else -1
-    out, _ = _run(q4, k4, v4, mask4, scale, 0, -1, right, False, path)
+    if _dispatch.direct(q4, k4, v4, mask4):
+        out, _ = _attention_impl(q4, k4, v4, mask4, scale, False, -1, right, False)
+    else:
+        out, _ = _attention_op(q4, k4, v4, mask4, scale, False, -1, right, False)
     return out.reshape(out_shape)

@@ -1,26 +1,26 @@
 """tilefuse.layer_norm / rms_norm (forward + backward, optional fused residual add) and
-tilefuse.layer_norm_linear (normalization as the GEMM's prologue, forward only).
+tilefuse.layer_norm_linear (the normalization fused into the GEMM, forward only).
 
-Layout: the normalized dims must be the trailing dims of x. x is viewed as rows [M, N]
-(N = prod(normalized_shape)) without a copy whenever ``x.reshape(-1, N)`` is a view with a unit
-column stride (contiguous tensors, row slices such as ``buf[:, :N]``); any other layout is copied
-once with ``.contiguous()`` (documented cost: one extra read and write of x).
+Registered as the custom ops ``tilefuse::layer_norm``, ``tilefuse::rms_norm`` (with autograd through
+``tilefuse::norm_backward``) and ``tilefuse::layer_norm_linear``; see ``_dispatch`` for the path a call
+takes. Layout: the normalized dims must be the trailing dims of x. x is viewed as rows [M, N]
+(N = prod(normalized_shape)) without a copy whenever ``x.reshape(-1, N)`` is a view with a unit column
+stride (contiguous tensors, row slices such as ``buf[:, :N]``); any other layout is copied once with
+``.contiguous()`` (documented cost: one extra read and write of x).
 """
 from __future__ import annotations
 
 import math
+from typing import Optional, Sequence
 
 import torch
 
 from tilefuse import runtime
 from tilefuse.constants import ACTIVATIONS
+from tilefuse.ops import _dispatch
+from tilefuse.ops._checks import check_no_grad_needed, check_same_device, check_same_dtype, check_tensor, dense
 from tilefuse.ops.linear import check_linear_args
-from tilefuse.ops._checks import (check_no_grad_needed, dense, grad_needed, check_same_device, check_same_dtype,
-                                  check_tensor)
 from tilefuse.reference import norms as reference
-
-# The config of the most recent launch, for the report. A diagnostic only.
-last_config = {"config": None, "path": None, "kernel": None}
 
 LAYER_NORM_EPS = 1e-5
 
@@ -70,71 +70,181 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
     return t2d
 
 
-def _norm_forward(x, residual, weight, bias, N, eps, is_rms, interpret):
-    """(y, h or None, x as rows, mean, rstd): one kernel launch."""
-    x2d = _rows(x, N)
-    M = x2d.shape[0]
+def _norms_launch():
+    from tilefuse.kernels.norms import launch  # imports triton: only once a kernel is to run
+    return launch
+
+
+def _empty_outputs(x, normalized_shape, has_residual):
+    """(y, h, stats): y and h contiguous in x's shape (h empty without a residual), stats fp32 [2, M]."""
+    n = math.prod(normalized_shape)
+    m = x.numel() // n if n else 0
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-    stats = torch.empty(2, M, dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
-    mean, rstd = stats[0], stats[1]
-    if M > 0:
-        from tilefuse.kernels.norms import launch_norm_fwd  # imports triton lazily
-        res2d = _rows(residual, N) if residual is not None else None
-        cfg = launch_norm_fwd(x2d, res2d, weight, bias, y.view(M, N),
-                              h.view(M, N) if h is not None else None, mean, rstd, eps, is_rms,
-                              store_y=True, interpret=interpret)
-        last_config["config"] = cfg
-    return y, h, x2d, mean, rstd
+    h = torch.empty(x.shape if has_residual else (0,), dtype=x.dtype, device=x.device)
+    return y, h, torch.empty((2, m), dtype=torch.float32, device=x.device)
 
 
-class _NormFunction(torch.autograd.Function):
-    """y = norm(x [+ residual]) * weight + bias; returns y, or (y, h) when a residual is given."""
+def _norm_impl(x, residual, weight, bias, normalized_shape, eps, is_rms):
+    path = runtime.execution_path(x)
+    n = math.prod(normalized_shape)
+    if path == runtime.REFERENCE or x.numel() == 0:
+        _dispatch.record_reference("rms_norm" if is_rms else "layer_norm", path)
+        y, h, stats = _empty_outputs(x, normalized_shape, residual is not None)
+        hx = x if residual is None else x + residual
+        if residual is not None:
+            h.copy_(hx)
+        hf = hx.reshape(-1, n).float() if n else hx.reshape(0, 0).float()
+        if stats.shape[1]:
+            mean = torch.zeros_like(hf[:, 0]) if is_rms else hf.mean(dim=1)
+            var = (hf * hf).mean(dim=1) if is_rms else hf.var(dim=1, unbiased=False)
+            stats.copy_(torch.stack([mean, torch.rsqrt(var + eps)]))
+        if is_rms:
+            y.copy_(reference.rms_norm(x, normalized_shape, weight, eps, residual=residual)[0]
+                    if residual is not None else reference.rms_norm(x, normalized_shape, weight, eps))
+        else:
+            y.copy_(reference.layer_norm(x, normalized_shape, weight, bias, eps, residual=residual)[0]
+                    if residual is not None else reference.layer_norm(x, normalized_shape, weight, bias, eps))
+        return y, h, stats
+    with _dispatch.on_device(x):
+        out = _norms_launch().forward(_rows(x, n), None if residual is None else _rows(residual, n), weight, bias,
+                                      eps, is_rms, path)
+    if residual is None:
+        y, stats = out
+        h = torch.empty((0,), dtype=x.dtype, device=x.device)
+    else:
+        y, h, stats = out
+        h = h.view(x.shape)
+    return y.view(x.shape), h, stats
 
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, norm_shape, eps, is_rms, interpret):
-        N = math.prod(norm_shape)
-        y, h, x2d, mean, rstd = _norm_forward(x, residual, weight, bias, N, eps, is_rms, interpret)
-        ctx.save_for_backward(h if h is not None else x2d, weight, mean, rstd)
-        ctx.shape, ctx.norm_shape, ctx.N = x.shape, norm_shape, N
-        ctx.is_rms, ctx.interpret = is_rms, interpret
-        ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
-        if h is not None:
-            return y, h
-        return y
 
-    @staticmethod
-    def backward(ctx, dy, dh=None):
-        h, weight, mean, rstd = ctx.saved_tensors
-        N = ctx.N
-        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        compute_dw = weight is not None and ctx.needs_input_grad[2]
-        compute_db = ctx.has_bias and ctx.needs_input_grad[3]
-        h2d = h.reshape(-1, N)
-        M = h2d.shape[0]
-        dx = torch.empty(ctx.shape, dtype=dy.dtype, device=dy.device)
-        dw = db = None
-        n_sums = int(compute_dw) + int(compute_db)
-        sums = None  # fp32 [n_sums, N]: dweight then dbias, whichever are asked for
-        if M > 0 and (need_dx or compute_dw or compute_db):
-            from tilefuse.kernels.norms import launch_norm_bwd
-            dh2d = _rows(dh, N) if dh is not None else None
-            sums = launch_norm_bwd(_rows(dy, N), h2d, weight, None if ctx.is_rms else mean, rstd, dh2d,
-                                   dx.view(M, N), ctx.is_rms, compute_dw, compute_db, ctx.interpret)
-        elif M == 0 and n_sums:
-            sums = torch.zeros(n_sums, N, dtype=torch.float32, device=dy.device)
-        if sums is not None:
-            # One cast for both: weight and bias have x's dtype (checked in the forward), and h is x's.
-            grads = sums.to(h.dtype)
-            if n_sums == 2:
-                dw, db = grads.view(2, *ctx.norm_shape).unbind(0)
-            elif compute_dw:
-                dw = grads.view(ctx.norm_shape)
-            else:
-                db = grads.view(ctx.norm_shape)
-        # h = x + residual: both receive the gradient of h (the same tensor).
-        dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
-        return (dx if ctx.needs_input_grad[0] else None), dres, dw, db, None, None, None, None
+@torch.library.custom_op("tilefuse::layer_norm", mutates_args=())
+def _layer_norm_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor], normalized_shape: Sequence[int],
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_impl(x, residual, weight, bias, tuple(normalized_shape), eps, False)
+
+
+@torch.library.custom_op("tilefuse::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                 normalized_shape: Sequence[int], eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_impl(x, residual, weight, None, tuple(normalized_shape), eps, True)
+
+
+@_layer_norm_op.register_fake
+def _(x, residual, weight, bias, normalized_shape, eps):
+    return _empty_outputs(x, normalized_shape, residual is not None)
+
+
+@_rms_norm_op.register_fake
+def _(x, residual, weight, normalized_shape, eps):
+    return _empty_outputs(x, normalized_shape, residual is not None)
+
+
+def _norm_backward_impl(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
+    """(dx in h's shape, dweight, dbias) -- the last two in weight's dtype, or empty when not asked."""
+    n = math.prod(normalized_shape)
+    path = runtime.execution_path(h)
+    if path == runtime.REFERENCE or h.numel() == 0:
+        _dispatch.record_reference("rms_norm_backward" if is_rms else "layer_norm_backward", path)
+        return _reference_norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db)
+    with _dispatch.on_device(h):
+        dx, sums = _norms_launch().backward(_rows(dy, n), _rows(h, n), weight, stats,
+                                            None if dh is None else _rows(dh, n), is_rms, need_dw, need_db, path)
+    dw, db = _no_grad(h), _no_grad(h)
+    if sums is not None:
+        grads = sums.to(h.dtype)  # weight and bias have x's dtype (checked in the forward), h is x's
+        if need_dw and need_db:  # outputs of a custom op may not alias each other: db gets its own copy
+            dw, db = grads[0].view(normalized_shape), grads[1].clone().view(normalized_shape)
+        elif need_dw:
+            dw = grads.view(normalized_shape)
+        else:
+            db = grads.view(normalized_shape)
+    return dx.view(h.shape), dw, db
+
+
+def _no_grad(h):
+    """The placeholder returned for a gradient nobody asked for (a fresh empty tensor each time)."""
+    return torch.empty((0,), dtype=h.dtype, device=h.device)
+
+
+def _reference_norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
+    """The same gradients by autograd through the plain PyTorch forward (reference path, empty inputs)."""
+    with torch.enable_grad():
+        hl = h.detach().requires_grad_()
+        wl = None if weight is None else weight.detach().requires_grad_()
+        n = math.prod(normalized_shape)
+        rstd = stats[1].reshape(h.shape[:h.dim() - len(normalized_shape)] + (1,) * len(normalized_shape))
+        hf = hl.float()
+        if is_rms:
+            xhat = hf * rstd
+        else:
+            xhat = (hf - stats[0].reshape(rstd.shape)) * rstd
+        y = xhat * wl.float() if wl is not None else xhat
+        leaves = [hl] + ([wl] if wl is not None and need_dw else [])
+        grads = torch.autograd.grad(y, leaves, dy.float(), allow_unused=True) if n and h.numel() else None
+    dx = grads[0].to(h.dtype) if grads is not None else torch.zeros_like(h)
+    if dh is not None:
+        dx = dx + dh
+    dw, db = _no_grad(h), _no_grad(h)
+    if need_dw:
+        dw = grads[1].to(h.dtype) if grads is not None else torch.zeros(normalized_shape, dtype=h.dtype, device=h.device)
+    if need_db:
+        db = dy.reshape(-1, n).float().sum(0).view(normalized_shape).to(h.dtype) if n and h.numel() else \
+            torch.zeros(normalized_shape, dtype=h.dtype, device=h.device)
+    return dx.contiguous(), dw, db
+
+
+@torch.library.custom_op("tilefuse::norm_backward", mutates_args=())
+def _norm_backward_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: Optional[torch.Tensor],
+                      stats: torch.Tensor, normalized_shape: Sequence[int], is_rms: bool, need_dw: bool,
+                      need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_backward_impl(dy, dh, h, weight, stats, tuple(normalized_shape), is_rms, need_dw, need_db)
+
+
+@_norm_backward_op.register_fake
+def _(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
+    def vec(needed):
+        return torch.empty(tuple(normalized_shape) if needed else (0,), dtype=h.dtype, device=h.device)
+    return torch.empty(h.shape, dtype=h.dtype, device=h.device), vec(need_dw), vec(need_db)
+
+
+def _setup_norm(ctx, inputs, output, is_rms):
+    if is_rms:
+        x, residual, weight, normalized_shape, eps = inputs
+        bias = None
+    else:
+        x, residual, weight, bias, normalized_shape, eps = inputs
+    y, h, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(h if residual is not None else x, weight, stats)
+    ctx.normalized_shape, ctx.is_rms = tuple(normalized_shape), is_rms
+    ctx.has_residual, ctx.has_weight, ctx.has_bias = residual is not None, weight is not None, bias is not None
+
+
+def _norm_backward(ctx, dy, dh, dstats):
+    h, weight, stats = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(h)
+    grad_x = ctx.needs_input_grad[0] or (ctx.has_residual and ctx.needs_input_grad[1])
+    need_dw = ctx.has_weight and ctx.needs_input_grad[2]
+    need_db = ctx.has_bias and ctx.needs_input_grad[3]
+    dx = dw = db = None
+    if grad_x or need_dw or need_db:
+        dx, dw, db = _norm_backward_op(dy, dh if ctx.has_residual else None, h, weight, stats,
+                                       list(ctx.normalized_shape), ctx.is_rms, need_dw, need_db)
+    # h = x + residual: both receive the gradient of h (the same tensor).
+    grads = [dx if ctx.needs_input_grad[0] else None, dx if ctx.has_residual and ctx.needs_input_grad[1] else None,
+             dw if need_dw else None]
+    if not ctx.is_rms:
+        grads.append(db if need_db else None)
+    return (*grads, None, None)
+
+
+_layer_norm_op.register_autograd(_norm_backward, setup_context=lambda ctx, inputs, output: _setup_norm(
+    ctx, inputs, output, False))
+_rms_norm_op.register_autograd(_norm_backward, setup_context=lambda ctx, inputs, output: _setup_norm(
+    ctx, inputs, output, True))
 
 
 def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
@@ -142,22 +252,14 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
     weight, bias = dense(weight), dense(bias)
     if eps is None:
         eps = torch.finfo(x.dtype).eps if is_rms else LAYER_NORM_EPS
-    path = runtime.execution_path(x)
-    last_config.update(config=None, path=path, kernel=None)
-    if path == runtime.REFERENCE:
-        if is_rms:
-            return reference.rms_norm(x, shape, weight, eps, residual=residual)
-        return reference.layer_norm(x, shape, weight, bias, eps, residual=residual)
-    N = math.prod(shape)
-    if N == 0:  # empty rows: nothing to normalize, the reference returns the empty result
-        if is_rms:
-            return reference.rms_norm(x, shape, weight, eps, residual=residual)
-        return reference.layer_norm(x, shape, weight, bias, eps, residual=residual)
-    interpret = path == runtime.INTERPRETER
-    if grad_needed(x, residual, weight, bias):
-        return _NormFunction.apply(x, residual, weight, bias, shape, float(eps), is_rms, interpret)
-    y, h, _, _, _ = _norm_forward(x, residual, weight, bias, N, float(eps), is_rms, interpret)
-    return (y, h) if h is not None else y
+    eps = float(eps)
+    if _dispatch.direct(x, residual, weight, bias):
+        y, h, _ = _norm_impl(x, residual, weight, bias, shape, eps, is_rms)
+    elif is_rms:
+        y, h, _ = _rms_norm_op(x, residual, weight, list(shape), eps)
+    else:
+        y, h, _ = _layer_norm_op(x, residual, weight, bias, list(shape), eps)
+    return (y, h) if residual is not None else y
 
 
 def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
@@ -184,7 +286,7 @@ def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = No
 
 
 # ----------------------------------------------------------------------------------------------------
-# LayerNorm -> Linear, normalization in the GEMM prologue.
+# LayerNorm -> Linear, normalization fused into the GEMM.
 
 def _check_norm_linear_args(x, norm_weight, norm_bias, weight, bias, eps, norm, activation):
     if norm not in ("layer", "rms"):
@@ -210,61 +312,53 @@ def _check_norm_linear_args(x, norm_weight, norm_bias, weight, bias, eps, norm, 
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
 
 
+@torch.library.custom_op("tilefuse::layer_norm_linear", mutates_args=())
+def _layer_norm_linear_op(x: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+                          weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, norm: str,
+                          activation: Optional[str]) -> torch.Tensor:
+    return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation)
+
+
+@_layer_norm_linear_op.register_fake
+def _(x, norm_weight, norm_bias, weight, bias, eps, norm, activation):
+    return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+
+
+def _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation):
+    path = runtime.execution_path(x)
+    N, K = weight.shape
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
+        _dispatch.record_reference("layer_norm_linear", path)
+        return y.copy_(reference.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps=eps, norm=norm,
+                                                   activation=activation))
+    from tilefuse.kernels.gemm import launch
+    with _dispatch.on_device(x):
+        return launch.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, norm == "rms", activation, path)
+
+
 def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
                       weight: torch.Tensor, bias: torch.Tensor | None = None, *, eps: float | None = None,
                       norm: str = "layer", activation: str | None = None) -> torch.Tensor:
-    """``act(F.linear(norm(x), weight, bias))`` where the normalization is the GEMM's prologue.
+    """``act(F.linear(norm(x), weight, bias))`` where the normalization is fused into the GEMM.
 
     The normalized activations never reach HBM. On Hopper with 16-bit, TMA-aligned operands, gamma is
     folded into a copy of W once per call (W read and W' written: a temporary the size of ``weight``) and
     the TMA GEMM sums each row from the x tiles it streams, then applies
     ``rstd * (x @ W'^T - mean * colsum(W')) + (b + W @ beta)`` in its epilogue. Elsewhere a pre-pass
-    writes mean/rstd per row (8 bytes) and the GEMM normalizes each x tile in registers (its prologue). ``norm`` is "layer" or "rms" (then
-    ``norm_bias`` is ignored); ``eps`` None is 1e-5 for layer and ``torch.finfo(x.dtype).eps`` for
-    rms. Forward only. x: ``[..., K]``; weight: ``[N, K]``; returns ``[..., N]``.
+    writes mean/rstd per row (8 bytes) and the GEMM normalizes each x tile in registers (its prologue).
+    ``norm`` is "layer" or "rms" (then ``norm_bias`` is ignored); ``eps`` None is 1e-5 for layer and
+    ``torch.finfo(x.dtype).eps`` for rms. Forward only. x: ``[..., K]``; weight: ``[N, K]``; returns
+    ``[..., N]``.
     """
     _check_norm_linear_args(x, norm_weight, norm_bias, weight, bias, eps, norm, activation)
     norm_weight, norm_bias, bias = dense(norm_weight), dense(norm_bias), dense(bias)
-    is_rms = norm == "rms"
-    if is_rms:
+    if norm == "rms":
         norm_bias = None
     check_no_grad_needed("layer_norm_linear", x, norm_weight, norm_bias, weight, bias)
     if eps is None:
-        eps = torch.finfo(x.dtype).eps if is_rms else LAYER_NORM_EPS
-    path = runtime.execution_path(x)
-    last_config.update(config=None, path=path, kernel=None)
-    if path == runtime.REFERENCE:
-        return reference.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps=eps, norm=norm,
-                                           activation=activation)
-    from tilefuse.kernels.norm_linear import launch_norm_linear
-    from tilefuse.kernels.norms import launch_norm_fwd
-
-    N, K = weight.shape
-    M = math.prod(x.shape[:-1])
-    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return y
-    x2d = _rows(x, K) if K > 0 else x.reshape(M, 0)
-    y2d = y.view(M, N)
-    interpret = path == runtime.INTERPRETER
-    if path == runtime.COMPILED and K > 0 and x.dtype != torch.float32:
-        from tilefuse.kernels import gemm_tma
-        if gemm_tma.tma_supported(x2d, weight, y2d):
-            from tilefuse.kernels.norm_linear import launch_norm_linear_tma
-            cfg = launch_norm_linear_tma(x2d, is_rms, eps, norm_weight, norm_bias, weight, bias, y2d, activation)
-            last_config.update(config=cfg, kernel="tma, norm in epilogue")
-            return y
-    # The pre-pass writes every row's statistics; zeros only for K == 0, where it does not run.
-    stats = (torch.empty if K > 0 else torch.zeros)(2, M, dtype=torch.float32, device=x.device)
-    mean, rstd = stats[0], stats[1]
-    if K > 0:
-        launch_norm_fwd(x2d, None, None, None, None, None, mean, rstd, eps, is_rms, store_y=False,
-                        interpret=interpret)
-    if x.dtype == torch.float32:
-        precision = "tf32" if (x.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
-    else:
-        precision = "tf32"  # ignored by tl.dot for 16-bit operands
-    cfg = launch_norm_linear(x2d, mean, rstd, norm_weight, norm_bias, weight, bias, y2d,
-                             is_rms, activation, precision, interpret)
-    last_config.update(config=cfg, kernel="norm in prologue")
-    return y
+        eps = torch.finfo(x.dtype).eps if norm == "rms" else LAYER_NORM_EPS
+    eps = float(eps)
+    if _dispatch.direct(x, norm_weight, norm_bias, weight, bias):
+        return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation)
+    return _layer_norm_linear_op(x, norm_weight, norm_bias, weight, bias, eps, norm, activation)

@@ -1,21 +1,20 @@
-"""tilefuse.softmax: softmax over any dim, forward and backward, two-pass or online."""
+"""tilefuse.softmax: softmax over any dim, forward and backward, two-pass or online.
+
+Registered as the custom ops ``tilefuse::softmax`` (autograd through ``tilefuse::softmax_backward``);
+see ``_dispatch`` for the path a call takes.
+"""
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from tilefuse import runtime
-from tilefuse.ops._checks import check_tensor, grad_needed
+from tilefuse.ops import _dispatch
+from tilefuse.ops._checks import check_tensor
 from tilefuse.reference.softmax import softmax as reference_softmax
 
 ALGORITHMS = ("auto", "online", "two_pass")
-
-# The config of the most recent launch, for the report ("which tiling ran"). A diagnostic only.
-last_config = {"config": None, "path": None}
-last_backward_config = {"config": None, "path": None}
 
 
 def _check_softmax_args(x, dim, algorithm) -> int:
@@ -36,86 +35,61 @@ def _check_softmax_args(x, dim, algorithm) -> int:
     return dim % ndim
 
 
-def _row_split(views: list[torch.Tensor]):
-    """Rows of tensors shaped [..., N] (softmax dim moved last, a view) as (outer, inner) pairs.
-
-    Finds the first split of the leading dims into an outer and an inner group such that, in every
-    tensor, each group collapses to one stride. Returns (r_inner, ((s_outer, s_inner, s_n), ...)), or
-    None when no split works for all of them (the caller then copies; rare: >3-d permuted layouts).
-    """
-    shape = views[0].shape
-    lead = [j for j in range(len(shape) - 1) if shape[j] != 1]
-
-    def collapses(t, dims):
-        return all(t.stride(a) == shape[b] * t.stride(b) for a, b in zip(dims, dims[1:]))
-
-    for k in range(len(lead) + 1):
-        outer, inner = lead[:k], lead[k:]
-        if all(collapses(t, outer) and collapses(t, inner) for t in views):
-            strides = tuple((t.stride(outer[-1]) if outer else 0, t.stride(inner[-1]) if inner else 0,
-                             t.stride(-1)) for t in views)
-            return math.prod(shape[j] for j in inner), strides
-    return None
+def _softmax_launch():
+    from tilefuse.kernels.softmax import launch  # imports triton: only once a kernel is to run
+    return launch
 
 
-def _layout(views):
-    from tilefuse.kernels.softmax import RowLayout
-
-    found = _row_split(views)
-    if found is None:
-        return None
-    r_inner, strides = found
-    n = views[0].shape[-1]
-    return RowLayout(rows=views[0].numel() // n, r_inner=r_inner, n=n, strides=strides)
+def _softmax_impl(x, dim, algorithm):
+    path = runtime.execution_path(x)
+    if path == runtime.REFERENCE or x.numel() == 0:
+        _dispatch.record_reference("softmax", path)
+        return torch.empty_like(x).copy_(reference_softmax(x, dim))
+    with _dispatch.on_device(x):
+        return _softmax_launch().forward(x, dim, algorithm, path)
 
 
-def _forward(x: torch.Tensor, dim: int, algorithm: str, interpret: bool) -> torch.Tensor:
-    from tilefuse.kernels.softmax import launch_softmax_forward  # imports triton lazily
-
-    # y keeps x's memory layout when x is dense, so reads and writes walk memory the same way.
-    y = torch.empty_like(x)
-    if x.numel() == 0:
-        last_config["config"] = "empty"
-        return y
-    layout = _layout([x.movedim(dim, -1), y.movedim(dim, -1)])
-    if layout is None:
-        # No two row strides address x: copy it (documented; e.g. a 4-d tensor permuted twice).
-        x = x.contiguous()
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        layout = _layout([x.movedim(dim, -1), y.movedim(dim, -1)])
-    last_config["config"] = launch_softmax_forward(x, y, layout, algorithm, interpret)
-    return y
+def _softmax_backward_impl(y, dy, dim):
+    path = runtime.execution_path(y)
+    if path == runtime.REFERENCE or y.numel() == 0:
+        _dispatch.record_reference("softmax_backward", path)
+        yf, dyf = y.float(), dy.float()
+        return torch.empty_like(y).copy_(yf * (dyf - (yf * dyf).sum(dim, keepdim=True)))
+    with _dispatch.on_device(y):
+        return _softmax_launch().backward(y, dy, dim, path)
 
 
-def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, interpret: bool) -> torch.Tensor:
-    from tilefuse.kernels.softmax import launch_softmax_backward
-
-    dx = torch.empty_like(y)  # y is dense (we allocated it): dx gets its exact strides
-    if y.numel() == 0:
-        last_backward_config["config"] = "empty"
-        return dx
-    layout = _layout([y.movedim(dim, -1), dy.movedim(dim, -1), dx.movedim(dim, -1)])
-    if layout is None:
-        dy = torch.empty_like(y).copy_(dy)  # dy in y's layout, which always addresses
-        layout = _layout([y.movedim(dim, -1), dy.movedim(dim, -1), dx.movedim(dim, -1)])
-    last_backward_config["config"] = launch_softmax_backward(y, dy, dx, layout, interpret)
-    return dx
+@torch.library.custom_op("tilefuse::softmax", mutates_args=())
+def _softmax_op(x: torch.Tensor, dim: int, algorithm: str) -> torch.Tensor:
+    return _softmax_impl(x, dim, algorithm)
 
 
-class _SoftmaxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, algorithm, interpret):
-        y = _forward(x, dim, algorithm, interpret)
-        ctx.save_for_backward(y)
-        ctx.dim, ctx.interpret = dim, interpret
-        return y
+@_softmax_op.register_fake
+def _(x, dim, algorithm):
+    return torch.empty_like(x)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        last_backward_config["path"] = runtime.INTERPRETER if ctx.interpret else runtime.COMPILED
-        return _backward(y, dy, ctx.dim, ctx.interpret), None, None, None
+
+@torch.library.custom_op("tilefuse::softmax_backward", mutates_args=())
+def _softmax_backward_op(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    return _softmax_backward_impl(y, dy, dim)
+
+
+@_softmax_backward_op.register_fake
+def _(y, dy, dim):
+    return torch.empty_like(y)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.dim = inputs[1]
+
+
+def _backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return _softmax_backward_op(y, dy, ctx.dim), None, None
+
+
+_softmax_op.register_autograd(_backward, setup_context=_setup)
 
 
 def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch.Tensor:
@@ -123,24 +97,20 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
 
     x: fp32, fp16 or bf16, any shape and strides; ``dim`` may be negative and need not be last (the
     kernels take a row stride and a column stride, no copy). The result has x's dtype (fp32 math
-    inside) and x's memory layout when x is dense. ``algorithm``: "two_pass" (a max pass, then a
-    sum pass, then the write), "online" (running max and rescaled sum in one pass, then the write),
-    or "auto"; they differ only for rows longer than one block. "auto" on a GPU measures both for the
-    shape (the autotuner: the faster is kept in the tuning cache) and runs the faster; where nothing is
-    tuned (the interpreter) it runs "online", which reads a long row twice, not three times.
-    Extremes as in torch: an all -inf row, a row with +inf or NaN gives NaN; large logits are safe.
-    CPU tensors run the kernels under ``TRITON_INTERPRET=1`` and ``torch.softmax`` otherwise.
+    inside) and the layout of ``torch.empty_like(x)`` (x's when x is dense). ``algorithm``: "two_pass"
+    (a max pass, then a sum pass, then the write), "online" (running max and rescaled sum in one pass,
+    then the write), or "auto"; they differ only for rows longer than one block. "auto" on a GPU
+    measures both for the shape (the autotuner: the faster is kept in the tuning cache) and runs the
+    faster; where nothing is tuned (the interpreter) it runs "online", which reads a long row twice,
+    not three times. Extremes as in torch: an all -inf row, a row with +inf or NaN gives NaN; large
+    logits are safe. CPU tensors run the kernels under ``TRITON_INTERPRET=1`` and ``torch.softmax``
+    otherwise.
     """
     dim = _check_softmax_args(x, dim, algorithm)
-    path = runtime.execution_path(x)
-    last_config.update(config=None, path=path)
-    if path == runtime.REFERENCE:
-        return reference_softmax(x, dim)
-    interpret = path == runtime.INTERPRETER
     x1 = x.reshape(1) if x.dim() == 0 else x
     dim = 0 if x.dim() == 0 else dim
-    if grad_needed(x):
-        y = _SoftmaxFunction.apply(x1, dim, algorithm, interpret)
+    if _dispatch.direct(x1):
+        y = _softmax_impl(x1, dim, algorithm)
     else:
-        y = _forward(x1, dim, algorithm, interpret)
+        y = _softmax_op(x1, dim, algorithm)
     return y.reshape(()) if x.dim() == 0 else y

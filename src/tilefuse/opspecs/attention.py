@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from tilefuse import tuning
 from tilefuse.ops import attention as attention_op
 from tilefuse.reference import attention as ref_attention
-from tilefuse.registry import OpSpec
+from tilefuse.opspec import OpSpec
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -118,8 +117,10 @@ def _flex_anchor(params):
 
 def _portable(q, k, v, causal, window, scale, return_lse):
     """tilefuse's portable (non-warp-specialized) kernel, where the default is the Gluon one."""
-    with attention_op.forward_kernel("portable"):
-        return _fused(q, k, v, causal, window, scale, return_lse)
+    left, right = window if window is not None else (-1, -1)
+    out, lse = attention_op._attention_impl(q, k, v, None, scale, True, left, 0 if causal else right, return_lse,
+                                            kernel="portable")
+    return (out, lse) if return_lse else out
 
 
 def _anchors(params):
@@ -134,11 +135,6 @@ def _anchors(params):
         anchors["sdpa efficient"] = _sdpa_anchor(SDPBackend.EFFICIENT_ATTENTION)
     anchors["flex_attention"] = _flex_anchor(params)
     return anchors
-
-
-def _config_used():
-    cfg = attention_op.last_config
-    return f"{cfg['path']}: {tuning.describe(cfg['config'])}"
 
 
 def _label(p):
@@ -198,7 +194,6 @@ ATTENTION = OpSpec(
     hbm_bytes=_hbm_bytes,
     bound="compute",
     anchors=_anchors,
-    config_used=_config_used,
     # Head dim, dtype and the causal/window mode select the compiled variant.
     compile_group=lambda p: f"{p['dtype']}-d{p['d']}-{p['mode']}",
     label=_label,
@@ -316,7 +311,6 @@ SDPA = OpSpec(
     hbm_bytes=_sdpa_bytes,
     bound="compute",
     anchors=_sdpa_anchors,
-    config_used=_config_used,
     label=_sdpa_label,
 )
 

@@ -5,7 +5,7 @@ import torch
 
 from tilefuse import reference
 from tilefuse.opspec import OpSpec
-from tilefuse.opspecs.linear import _config_used, make_x, random_normal
+from tilefuse.opspecs.linear import make_x, random_normal
 from tilefuse.ops import linear as linear_op
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -88,7 +88,6 @@ GATED_LINEAR = OpSpec(
     hbm_bytes=_hbm_bytes,
     bound="compute",
     anchors=_anchors,
-    config_used=_config_used,
     compile_group=lambda p: f"{p['dtype']}-{p['activation']}-{p.get('bias', True)}",
     label=lambda p: (f"M{p['shape'][0]} K{p['shape'][1]} N{p['shape'][2]} {p['activation']}"
                      f"{'' if p.get('bias', True) else ' nobias'}"

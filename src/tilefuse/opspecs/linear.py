@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tilefuse import reference, tuning
+from tilefuse import reference
 from tilefuse.ops import linear as linear_op
 from tilefuse.opspec import OpSpec
 
@@ -99,11 +99,6 @@ def _anchors(params):
     return anchors
 
 
-def _config_used():
-    lc = linear_op.last_config
-    return f"{lc['path']} {lc['kernel'] or ''}: {tuning.describe(lc['config'])}"
-
-
 LINEAR = OpSpec(
     name="linear",
     summary="act(x @ W^T + b): GEMM with bias and activation in the epilogue",
@@ -135,7 +130,6 @@ LINEAR = OpSpec(
     hbm_bytes=_hbm_bytes,
     bound="compute",
     anchors=_anchors,
-    config_used=_config_used,
     # Layouts reuse the same compiled kernels; only dtype, activation and bias select constexprs.
     compile_group=lambda p: f"{p['dtype']}-{p.get('activation')}-{p.get('bias', True)}",
     label=lambda p: (f"M{p['shape'][0]} K{p['shape'][1]} N{p['shape'][2]} "

@@ -6,10 +6,9 @@ import math
 
 import torch
 
-from tilefuse import tuning
 from tilefuse.ops import norms as norm_ops
 from tilefuse.reference import norms as reference
-from tilefuse.opspec import OpSpec, function_node
+from tilefuse.opspec import OpSpec
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -154,16 +153,22 @@ def _backward_runner(key, forward):
     return run
 
 
-def _backward_kernels_only(key, forward):
-    """The runner above without the autograd engine, for the report's GPU-only column: on the same
-    cached forward graph, ``_NormFunction.backward`` runs on the forward's own node (its ctx). Same
-    gradients in the same order: (dx, [dweight], [dbias], [dresidual])."""
+def _backward_kernels_only(is_rms):
+    """The backward without the autograd engine, for the report's GPU-only column (autograd's replay
+    cannot be captured in a CUDA graph): the backward op's implementation on a forward computed once per
+    inputs dict. Same gradients in the same order as the runner above: (dx, [dweight], [dbias],
+    [dresidual])."""
     def run(x, normalized_shape, weight, eps, residual, dy, dh, graph_cache, bias=None):
-        entry = _forward_graph(key, forward, x, normalized_shape, weight, eps, residual, dy, dh, graph_cache, bias)
-        node = function_node(entry["outs"][0], "_NormFunction")
-        dx, dres, dw, db = norm_ops._NormFunction.backward(node, dy, dh)[:4]
+        entry = graph_cache.get("kernels_only")
+        if entry is None or entry[0] is not x:
+            _, h, stats = norm_ops._norm_impl(x, residual, weight, bias, tuple(normalized_shape), eps, is_rms)
+            entry = graph_cache["kernels_only"] = (x, h if residual is not None else x, stats)
+        _, h, stats = entry
+        dx, dw, db = norm_ops._norm_backward_impl(dy, dh if residual is not None else None, h, weight, stats,
+                                                  tuple(normalized_shape), is_rms, weight is not None,
+                                                  bias is not None)
         grads = [dx] + ([dw] if weight is not None else []) + ([db] if bias is not None else [])
-        return tuple(grads + ([dres] if residual is not None else []))
+        return tuple(grads + ([dx] if residual is not None else []))
     return run
 
 
@@ -183,7 +188,7 @@ def _backward_callables(is_rms):
     wrap = _rms_norm_keyword if is_rms else _layer_norm_keyword
     fused_forward = wrap(_rms_norm_fused if is_rms else _layer_norm_fused)
     fused = _backward_runner("tilefuse", fused_forward)
-    kernels_only = _backward_kernels_only("tilefuse", fused_forward)
+    kernels_only = _backward_kernels_only(is_rms)
     ref = _backward_runner("reference", wrap(_rms_norm_ref if is_rms else _layer_norm_ref))
 
     def anchors(params):
@@ -241,10 +246,6 @@ def _label(p):
     return " ".join(parts)
 
 
-def _config_used():
-    return f"{norm_ops.last_config['path']}: {norm_ops.last_config['config']}"
-
-
 def _norm_specs(is_rms: bool) -> list[OpSpec]:
     name = "rms_norm" if is_rms else "layer_norm"
     grid = dict(NORM_TEST_GRID)
@@ -278,7 +279,6 @@ def _norm_specs(is_rms: bool) -> list[OpSpec]:
         hbm_bytes=_fwd_bytes(is_rms),
         bound="memory",
         anchors=_forward_anchors(is_rms),
-        config_used=_config_used,
         label=_label,
     )
     bwd_grid = {k: v for k, v in grid.items()}
@@ -303,7 +303,6 @@ def _norm_specs(is_rms: bool) -> list[OpSpec]:
         hbm_bytes=_bwd_bytes(is_rms),
         bound="memory",
         anchors=bwd_anchors,
-        config_used=_config_used,
         label=_label,
         extra={"kernels_only": bwd_kernels_only},
     )
@@ -365,18 +364,13 @@ def _norm_linear_bytes(params):
     unfused = gemm + 2 * M * K * s + vec + act
     if params["dtype"] == torch.float32:  # the prologue form: stats pre-pass (x read, mean/rstd out and in)
         return {"fused": gemm + M * K * s + 16 * M + vec, "unfused": unfused}
-    # 16-bit rows are benchmarked on Hopper, in the epilogue form (kernels/norm_linear.py): the GEMM sums
+    # 16-bit rows are benchmarked on Hopper, in the epilogue form (kernels/gemm/launch.py): the GEMM sums
     # the rows itself; gamma is folded into W once per call (W read, W' written) and LayerNorm also sums
     # W' over K (W read without gamma); RMSNorm without gamma needs no fold. (Other GPUs run 16-bit in
     # the prologue form.)
     layer, affine = params.get("norm", "layer") == "layer", params.get("affine", True)
     fold = (N * K * s * (1 + int(affine)) + 8 * N) if (layer or affine) else 0
     return {"fused": gemm + vec + fold, "unfused": unfused}
-
-
-def _norm_linear_config():
-    cfg = norm_ops.last_config
-    return f"{cfg['path']} {cfg.get('kernel') or ''}: {tuning.describe(cfg['config'])}".replace(" :", ":")
 
 
 LAYER_NORM_LINEAR = OpSpec(
@@ -412,7 +406,6 @@ LAYER_NORM_LINEAR = OpSpec(
     bound="compute",
     anchors=lambda p: {"tilefuse layer_norm then linear": _norm_then_linear,
                        "torch.compile": torch.compile(_norm_linear_ref, dynamic=False)},
-    config_used=_norm_linear_config,
     label=lambda p: (f"M{p['shape'][0]} K{p['shape'][1]} N{p['shape'][2]} {p.get('norm', 'layer')} "
                      f"{p.get('activation') or 'none'}{'' if p.get('bias', True) else ' nobias'}"
                      f"{'' if p.get('affine', True) else ' noaffine'}"),

@@ -5,7 +5,7 @@ import torch
 
 from tilefuse.ops import softmax as softmax_op
 from tilefuse.reference.softmax import softmax as reference_softmax
-from tilefuse.opspec import OpSpec, function_node
+from tilefuse.opspec import OpSpec
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -107,10 +107,10 @@ _FUSED_BACKWARD = BackwardOnly(_fused)
 
 def _backward_kernels_only(x, dy, dim, algorithm):
     """The fused backward without the autograd engine, for the report's GPU-only column (autograd's
-    replay cannot be captured in a CUDA graph): ``_SoftmaxFunction.backward`` on the forward's own graph
-    node, which is its ctx, on the graph the timed call uses."""
+    replay cannot be captured in a CUDA graph): the backward op's implementation on the forward output
+    of the graph the timed call uses."""
     _, y = _FUSED_BACKWARD.graph(x, dy, dim, algorithm)
-    return softmax_op._SoftmaxFunction.backward(function_node(y, "_SoftmaxFunction"), dy)[0]
+    return softmax_op._softmax_backward_impl(y.detach(), dy, dim % max(x.dim(), 1))
 
 
 def _bytes(params, tensors: int):
@@ -179,7 +179,6 @@ SOFTMAX = OpSpec(
     hbm_bytes=lambda p: _bytes(p, 2),  # read x, write y
     bound="memory",
     anchors=_anchors,
-    config_used=lambda: str(softmax_op.last_config["config"]),
     label=_label,
 )
 
@@ -206,7 +205,6 @@ SOFTMAX_BACKWARD = OpSpec(
     hbm_bytes=lambda p: _bytes(p, 3),  # read y, read dy, write dx
     bound="memory",
     anchors=_backward_anchors,
-    config_used=lambda: str(softmax_op.last_backward_config["config"]),
     label=lambda p: _label({**p, "algorithm": p.get("algorithm", "auto")}).replace(" auto", ""),
     extra={"kernels_only": _backward_kernels_only},
 )

@@ -92,3 +92,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     vis = visibility(n_q, n_k, 0, -1, 0, query.device) if is_causal else None
     return _attend(query, key, value, scale, vis, attn_mask)[0]
+
+
+def attend(q, k, v, mask, scale, pos_offset, left, right):
+    """The math behind tilefuse's attention op on 4-D inputs: q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d]
+    (GQA by repeat_interleave), query row i at key position i + pos_offset seeing keys
+    p - left <= j <= p + right (negative: unbounded), mask None or broadcastable to [B, Hq, Nq, Nk].
+    Returns (out, lse); a row that sees no key gives 0 and lse -inf."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    vis = visibility(q.shape[-2], k.shape[-2], pos_offset, left, right, q.device)
+    out, lse = _attend(q, k, v, scale, vis, mask)
+    return out, lse.float()

@@ -1,7 +1,11 @@
-"""Hopper GEMM ``y = act(x @ w^T + b)`` with warp specialization (Gluon): a TMA producer warp and two
+"""Lab code, kept for the GEMM-engine work and not dispatched: tilefuse.linear runs tilefuse.kernels.gemm,
+and nothing in src/ imports this file. Tests and benchmarks import it with benchmarks/ on sys.path
+(``import gemm_ws``; tests/tools/compiler.py's gemm_ws_compile_job compiles it for sm_90a).
+
+Hopper GEMM ``y = act(x @ w^T + b)`` with warp specialization (Gluon): a TMA producer warp and two
 consumer warpgroups in ping-pong over a persistent tile loop.
 
-Fuses the same work as gemm_tma.py, with the same HBM bytes: (M*K + N*K + M*N)*s against
+Fuses the same work as tilefuse/kernels/gemm/tma.py, with the same HBM bytes: (M*K + N*K + M*N)*s against
 (M*K + N*K + 3*M*N)*s for GEMM-then-activation. What it adds is what Triton 3.6's tl code cannot produce
 on sm_90 (sessions 3 and 5, benchmarks/NOTES.md): one warp only issues the TMA loads of the K steps of
 every output tile the CTA owns, into a ring of shared buffers; two consumer warpgroups take the CTA's
@@ -16,8 +20,8 @@ the time at the two large K = 4096 shapes, 1.36-1.48x at K <= 1024, 1.6x at M = 
 does not dispatch to it. Ping-pong
 serializes the main loops: one warpgroup's m64 wgmmas alone keep the tensor cores less busy than the tl
 kernel's two warpgroups issuing together, and with one tile per CTA (M = 512) one consumer sits idle.
-Limits: as gemm_tma.py (row-contiguous x and y, K-contiguous w, 16-byte-aligned rows), fp16/bf16, no
-gated activations.
+Limits: as tilefuse/kernels/gemm/tma.py (row-contiguous x and y, K-contiguous w, 16-byte-aligned rows),
+fp16/bf16, no gated activations.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from tilefuse import runtime
 from tilefuse.kernels.activations import apply_activation
 from tilefuse.kernels.gluon_host import host_descriptor
-from tilefuse.kernels.tiling import cdiv, grouped_tile
+from tilefuse.kernels.tiling import grouped_tile
+from tilefuse.sizes import cdiv
 
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
@@ -155,7 +160,8 @@ def linear_ws_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, HAS_BIAS: gl.conste
 
 # ---- host side ------------------------------------------------------------------------------------
 def launch(x2d, w, b, y, activation=None, config: dict | None = None) -> dict:
-    """x2d [M, K], w [N, K], b [N] or None, y [M, N]: fp16/bf16, TMA-able (gemm_tma.tma_supported)."""
+    """x2d [M, K], w [N, K], b [N] or None, y [M, N]: fp16/bf16, TMA-able
+    (tilefuse.kernels.gemm.launch.tma_supported)."""
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     M, K = x2d.shape
     N = w.shape[0]
@@ -169,19 +175,3 @@ def launch(x2d, w, b, y, activation=None, config: dict | None = None) -> dict:
                            NUM_SMS=num_sms, num_warps=4, maxnreg=LAUNCH_MAXNREG)
     return cfg
 
-
-def sm90_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: str = "bfloat16",
-                     config: dict | None = None, num_sms: int = 132):
-    """(kernel, signature, constexprs, options) for harness.compiler.compile_gluon_sm90."""
-    from triton.runtime.jit import mangle_type
-
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
-    t = torch.empty(256, 256, dtype=getattr(torch, dtype))
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    signature = dict(x_desc=mangle_type(host_descriptor(t, (bm, bk))),
-                     w_desc=mangle_type(host_descriptor(t, (bn, bk))),
-                     y_desc=mangle_type(host_descriptor(t, (bm, bn))),
-                     b_ptr=mangle_type(t), M="i32", N="i32", K="i32")
-    constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
-                      NUM_SMS=num_sms)
-    return linear_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)

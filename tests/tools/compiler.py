@@ -14,6 +14,12 @@ import subprocess
 import sys
 import tempfile
 
+_TOOLS = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(_TOOLS)
+REPO_DIR = os.path.dirname(TESTS_DIR)
+SRC_DIR = os.path.join(REPO_DIR, "src")
+BENCHMARKS_DIR = os.path.join(REPO_DIR, "benchmarks")
+
 
 def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: dict, num_warps: int = 4,
                  num_stages: int = 3, aligned: tuple = (), maxnreg: int | None = None) -> dict:
@@ -51,6 +57,10 @@ def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=(), 
         sig.update({k: v for k, v in signature.items() if k != "*"})
     else:
         sig = dict(signature)
+    # Constexpr parameters left out take their defaults, as a launch binds them (else they compile as None).
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.has_default and p.name not in constexprs and p.name not in sig},
+                  **constexprs}
     sig.update({name: "constexpr" for name in constexprs})
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
@@ -91,8 +101,10 @@ def _facts(kernel) -> dict:
 def compile_gluon_sm90(module: str, job: str, kwargs: dict) -> dict:
     """Compile a Gluon kernel for sm_90a and return the facts ``compile_sm90`` gives, plus whether it is
     warp-specialized and its setmaxnreg values. ``module.job(**kwargs)`` returns (kernel, signature,
-    constexprs, options): Gluon signatures name tensor descriptors with their shared layouts, which only
-    the kernel's module knows how to build. Runs in a child process under the interpreter, as above."""
+    constexprs, options): Gluon signatures name tensor descriptors with their shared layouts, built from
+    the kernel's host side (the jobs for tilefuse's Gluon kernels are in this module:
+    ``compile_gluon_sm90("tools.compiler", "attention_ws_compile_job", {...})`` and
+    ``"gemm_ws_compile_job"``). Runs in a child process under the interpreter, as above."""
     if _interpreting():
         return _compile_in_child(f"{module}.{job}", ["--gluon", json.dumps([module, job, kwargs])])
     import triton
@@ -111,17 +123,82 @@ def _interpreting() -> bool:
 
 
 def _compile_in_child(what: str, argv: list) -> dict:
-    """Under TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile: run this module in a
-    child process without it, and read the facts it prints."""
+    """Under TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile: run this file (by its
+    path: it lives in tests/tools, outside the package) in a child process without it, and read the facts
+    it prints. The child puts tests/ and src/ on sys.path itself, so "tools.compiler" and tilefuse import."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "tilefuse.harness.compiler", *argv], env=env,
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env,
                          capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"compiling {what} for sm_90a failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# ---- compile jobs for the Gluon kernels (compile_gluon_sm90's ``job``) -----------------------------------
+def attention_ws_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_left: bool = False,
+                             has_right: bool = False, store_lse: bool = True, config: dict | None = None,
+                             flat_grid: bool = False):
+    """(kernel, signature, constexprs, options) of tilefuse.kernels.attention.ws.attention_fwd_ws_kernel,
+    as ``tilefuse.kernels.attention.launch._launch_ws`` launches it: host descriptors' signature strings
+    are built from a CPU tensor, as a launch would specialize them. ``config`` overrides entries of
+    ``ws_config_for(head_dim)`` (DEVICE_DESC defaults to True: descriptors made in the kernel)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from tilefuse.kernels.attention import ws
+    from tilefuse.kernels.attention.launch import _descriptor, ws_config_for
+
+    fn = ws.attention_fwd_ws_kernel
+    cfg = {**ws_config_for(head_dim), "DEVICE_DESC": True, **(config or {})}
+    constexprs = dict(HEAD_D=head_dim, HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse,
+                      FLAT_GRID=flat_grid, **cfg)
+    signature = {name: "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names if name not in constexprs}
+    t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
+    if cfg["DEVICE_DESC"]:
+        q_sig = kv_sig = mangle_type(t)
+    else:
+        q_sig, kv_sig = mangle_type(_descriptor(t, ws.HALF_M)), mangle_type(_descriptor(t, cfg["BLOCK_N"]))
+    signature.update(q_src=q_sig, o_src=q_sig, k_src=kv_sig, v_src=kv_sig, lse_ptr="*fp32")
+    return fn, signature, constexprs, dict(num_warps=4, maxnreg=ws.LAUNCH_MAXNREG)
+
+
+def _import_gemm_ws():
+    """benchmarks/gemm_ws.py (lab code outside the package), with benchmarks/ on sys.path."""
+    if BENCHMARKS_DIR not in sys.path:
+        sys.path.insert(0, BENCHMARKS_DIR)
+    return importlib.import_module("gemm_ws")
+
+
+def gemm_ws_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: str = "bfloat16",
+                        config: dict | None = None, num_sms: int = 132):
+    """(kernel, signature, constexprs, options) of benchmarks/gemm_ws.py's linear_ws_kernel, as its
+    ``launch`` launches it. ``config`` overrides entries of its DEFAULT_CONFIG."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from tilefuse.kernels.gluon_host import host_descriptor
+
+    gemm_ws = _import_gemm_ws()
+    cfg = {**gemm_ws.DEFAULT_CONFIG, **(config or {})}
+    t = torch.empty(256, 256, dtype=getattr(torch, dtype))
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    signature = dict(x_desc=mangle_type(host_descriptor(t, (bm, bk))),
+                     w_desc=mangle_type(host_descriptor(t, (bn, bk))),
+                     y_desc=mangle_type(host_descriptor(t, (bm, bn))),
+                     b_ptr=mangle_type(t), M="i32", N="i32", K="i32")
+    constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
+                      NUM_SMS=num_sms)
+    return gemm_ws.linear_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=gemm_ws.LAUNCH_MAXNREG)
+
+
 if __name__ == "__main__":
+    # Run by path: sys.path[0] is tests/tools. Put tests/ (so "tools.compiler" imports as a package module)
+    # and src/ (tilefuse, also without an install) first instead.
+    if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _TOOLS:
+        sys.path.pop(0)
+    for path in (SRC_DIR, TESTS_DIR):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     if sys.argv[1] == "--gluon":
         print(json.dumps(compile_gluon_sm90(*json.loads(sys.argv[2]))))
     else:  # --triton

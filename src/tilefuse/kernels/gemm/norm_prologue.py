@@ -5,30 +5,26 @@ Fuses: normalization + GEMM + bias + activation. HBM bytes, element size s: unfu
 (M*K + N*K + M*N)*s + 8*M: the normalized activations never reach HBM.
 Tiling: BLOCK_M x BLOCK_N output tile per program, K walked in BLOCK_K steps; each x tile is normalized
 in registers ((x - mean) * rstd * gamma + beta, gamma/beta loaded for the K slice), cast back to the
-operand dtype, then fed to tl.dot. Grouped tile order as in gemm_epilogue.py. Any M, N, K; x rows at
+operand dtype, then fed to tl.dot. Grouped tile order as in portable.py. Any M, N, K; x rows at
 any stride with a unit column stride.
 
 On Hopper with 16-bit operands (TMA-able layouts) the normalization moves past the GEMM instead
-(gemm_tma.py, NORM): ``weight_fold_kernel`` below makes W' = W * gamma, s = sum_k W' and c = b + W @ beta
+(tma.py, NORM): ``weight_fold_kernel`` below makes W' = W * gamma, s = sum_k W' and c = b + W @ beta
 once per call (2*N*K*s + 8*N bytes: W read, W' written; N*K*s when gamma is None), and the TMA GEMM runs
 on raw x, summing each row from the x tiles it holds, with ``rstd * (acc - mean * s) + c`` in its
 epilogue. Fused bytes there: (M*K + N*K + M*N)*s + the fold, with no pre-pass, against unfused's extra
-2*M*K*s. The register prologue above ran at about half the linear kernel's rate on the H200 (311 against
+2*M*K*s. The register prologue above runs at about half the linear kernel's rate on the H200 (311 against
 600 TFLOP/s at 8192x4096x4096). The epilogue form feeds its dot from registers as well (a Triton 3.6
-pipelining hazard, see gemm_tma.py), but from the raw TMA tile, with no normalization math before the
+pipelining hazard, see tma.py), but from the raw TMA tile, with no normalization math before the
 dot: 334 (LayerNorm) and 468 (RMSNorm) TFLOP/s there.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from tilefuse import tuning
-from tilefuse.kernels.tiling import cdiv, grouped_tile
 from tilefuse.kernels.activations import apply_activation
-from tilefuse.kernels import gemm_tma
-from tilefuse.kernels.gemm_epilogue import prune_portable_configs
+from tilefuse.kernels.tiling import grouped_tile
 
 
 @triton.jit
@@ -125,82 +121,3 @@ def weight_fold_kernel(
         tl.store(colsum_ptr + offs_n, colsum, mask=mask_n)
     if HAS_BETA or HAS_BIAS:
         tl.store(shift_ptr + offs_n, shift, mask=mask_n)
-
-
-# One fixed tile: the fold moves N*K elements once per call (2-4% of the GEMM at the issue's shapes), so
-# it is not worth a tuner; 8 rows x 512 columns with 4 warps gives 16-byte loads and N/8 programs.
-FOLD_BLOCK_N, FOLD_BLOCK_K, FOLD_WARPS = 8, 512, 4
-
-
-def fold_weight(w, gamma, beta, b, is_rms: bool):
-    """(W', shift, colsum) for the epilogue form of layer_norm_linear (see the module doc): W' is ``w``
-    itself without gamma; shift (fp32 [N]) is None when there is neither beta nor b; colsum (fp32 [N]) is
-    None for rms. No kernel runs when none of them needs computing."""
-    N, K = w.shape
-    need_colsum = not is_rms
-    has_beta = beta is not None and not is_rms
-    if gamma is None and not need_colsum and not has_beta:
-        return w, (None if b is None else b), None
-    wf = torch.empty_like(w, memory_format=torch.contiguous_format) if gamma is not None else w
-    colsum = torch.empty(N, dtype=torch.float32, device=w.device) if need_colsum else None
-    has_shift = has_beta or b is not None
-    shift = torch.empty(N, dtype=torch.float32, device=w.device) if has_shift else None
-    unused = w  # any valid pointer for the outputs a flag switches off
-    weight_fold_kernel[(cdiv(N, FOLD_BLOCK_N),)](
-        w, gamma if gamma is not None else w, beta if has_beta else w, b if b is not None else w, wf,
-        colsum if colsum is not None else unused, shift if shift is not None else unused,
-        N, K, w.stride(0), wf.stride(0),
-        HAS_GAMMA=gamma is not None, HAS_BETA=has_beta, HAS_BIAS=b is not None, NEED_COLSUM=need_colsum,
-        BLOCK_N=FOLD_BLOCK_N, BLOCK_K=FOLD_BLOCK_K, num_warps=FOLD_WARPS)
-    return wf, shift, colsum
-
-
-def _prune(configs, named_args, **kwargs):
-    """The portable GEMM's rules plus one x tile: the normalized x tile goes through shared memory on its
-    way to tl.dot (fp32 128x128x64, 4 stages: 230,912 B compiled for sm_90a against 196,608 modeled)."""
-    return prune_portable_configs(configs, named_args,
-                                  extra_smem=lambda c, elem: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_K"] * elem,
-                                  **kwargs)
-
-
-norm_linear_autotuned = tuning.autotune(
-    name="norm_linear",
-    configs=tuning.PORTABLE_GEMM_CONFIGS,
-    key=["M_BUCKET", "N", "K", "IS_RMS", "HAS_GAMMA", "HAS_BETA", "HAS_BIAS", "ACTIVATION",
-         "INPUT_PRECISION"],
-    # The portable GEMM's shared-memory and fp32-FMA rules apply to this main loop as well.
-    prune_configs_by={"early_config_prune": _prune},
-)(norm_linear_kernel)
-
-
-def launch_norm_linear(x2d, mean, rstd, gamma, beta, w, b, y2d, is_rms, activation, input_precision,
-                       interpret):
-    """x2d [M, K] (unit column stride), y2d [M, N] contiguous. Returns the config used."""
-    M, K = x2d.shape
-    N = w.shape[0]
-    args = (x2d, mean, rstd, gamma if gamma is not None else mean, beta if beta is not None else mean,
-            w, b if b is not None else mean, y2d, M, N, K, tuning.m_bucket(M),
-            x2d.stride(0), w.stride(0), w.stride(1), y2d.stride(0))
-    flags = dict(IS_RMS=is_rms, HAS_GAMMA=gamma is not None,
-                 HAS_BETA=beta is not None, HAS_BIAS=b is not None, ACTIVATION=activation or "none",
-                 INPUT_PRECISION=input_precision)
-    if interpret:
-        cfg = tuning.INTERPRETER_GEMM
-        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
-        norm_linear_kernel[grid](*args, **flags, UPCAST_DOT=x2d.dtype == torch.bfloat16, **cfg)
-        return cfg
-
-    def grid(meta):
-        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
-
-    norm_linear_autotuned[grid](*args, **flags, UPCAST_DOT=False)
-    return norm_linear_autotuned.best_config
-
-
-def launch_norm_linear_tma(x2d, is_rms, eps, gamma, beta, w, b, y2d, activation, config: dict | None = None):
-    """layer_norm_linear on Hopper: the fold above, then the TMA GEMM, which takes the row statistics from
-    the x tiles it streams and applies them in its epilogue. x2d, w, y2d pass ``gemm_tma.tma_supported``.
-    ``config`` pins the GEMM's config (tests, variants). Returns it."""
-    wf, shift, colsum = fold_weight(w, gamma, beta, b, is_rms)
-    return gemm_tma.launch_linear_tma(x2d, wf, shift, y2d, activation, config=config,
-                                      norm=(2 if is_rms else 1, eps, colsum))

@@ -1,7 +1,7 @@
 """FlashAttention forward for Hopper with warp specialization (Gluon): a TMA producer warp and two
 consumer warpgroups.
 
-Fuses the same work as kernels/attention.py (QK^T, scale, causal/window masking, online softmax, PV;
+Fuses the same work as portable.py (QK^T, scale, causal/window masking, online softmax, PV;
 the [Nq, Nk] scores never reach HBM: (Q + K + V + O) bytes instead of + 4*B*Hq*Nq*Nk*s), and adds
 what triton 3.6 cannot produce from tl code on sm_90: one warp only issues the TMA loads of Q, K and V
 into rings of shared buffers (mbarrier-synchronised), while two 4-warp consumer partitions each own
@@ -9,23 +9,17 @@ into rings of shared buffers (mbarrier-synchronised), while two 4-warp consumer 
 issuing their GEMMs, and each runs a tile's softmax while its previous PV is still on the tensor cores.
 At d = 64 they run the plain order and the warp scheduler interleaves them. Registers move with
 setmaxnreg: 24 for the producer's warpgroup, 240 for each consumer.
-Limits: sm_90, fp16/bf16, head dim 64 or 128, no attn_mask tensor, TMA-able strides; launch_attention
-uses the portable kernel elsewhere and the report's config column says which ran ("ws" for this one).
+Limits: sm_90, fp16/bf16, head dim 64 or 128, no attn_mask tensor, TMA-able strides; the launch layer
+(launch.py) uses the portable kernel elsewhere and the report's config column says which ran ("ws" for this one).
 """
 from __future__ import annotations
 
-import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilefuse import runtime
-from tilefuse.kernels.attention import MAX_GRID_Y, descriptors_usable, key_tile_ranges, query_block_and_head
-from tilefuse.kernels.gluon_host import host_descriptor
-from tilefuse.kernels.tiling import ensure_descriptor_allocator
+from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head
 
 HALF_M = gl.constexpr(64)           # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 BLOCK_M = gl.constexpr(2 * HALF_M)  # query rows per CTA
@@ -333,77 +327,3 @@ def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N
         (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, STORE_LSE, BLOCK_N, STAGES, PINGPONG, 1)),
         (_producer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, STORE_LSE, BLOCK_N, STAGES, PINGPONG, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-# ---- host side ------------------------------------------------------------------------------------
-def config_for(head_dim: int) -> dict:
-    """128-key tiles; d = 64 keeps 3 K/V stages in 115 KB, d = 128 two in 164 KB. PINGPONG: the consumers'
-    FA3 schedule (_consume_pingpong) or the plain one, by head dim as measured side by side on the H200
-    (benchmarks/results/h200/2026-11-29/ws_variants_s6.log): ping-pong won the six d = 128 bench rows by
-    5-8% and lost the six d = 64 rows by 1-7%. DEVICE_DESC (descriptors made in the kernel) is chosen per
-    launch by ``launch``."""
-    return dict(BLOCK_N=128, STAGES=3 if head_dim <= 64 else 2, PINGPONG=head_dim > 64)
-
-
-# Descriptors made on the device save ~60 us of host time per call (four host descriptors and their
-# CUtensorMap encodes) but cost every CTA their creation before its first load. On the H200, kernels of
-# 2048 CTAs ran 6-18% slower with them (ws_variants_s6c6.log, same run), and the N = 1k bench rows (2048
-# and 4096 CTAs) 20-47% slower in GPU-only time (report_attention_ws_s6c6 against report_attention_ws_s6),
-# while the Llama prefill (512 CTAs, 0.1 ms) ran 11-28% faster: its time was the host's. So launches of at
-# most this many waves of CTAs (132 SMs: 528 CTAs) make them on the device.
-DEVICE_DESC_MAX_WAVES = 4
-
-def usable(q, k, v, out, mask) -> bool:
-    """The cases this kernel takes: everything else runs the portable kernel."""
-    return (mask is None and q.is_cuda and runtime.device_facts(q.device)[0] == 9
-            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in SUPPORTED_HEAD_DIMS
-            and descriptors_usable(q, k, v, out))
-
-
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    return host_descriptor(t, (1, 1, int(rows), t.shape[-1]))
-
-
-def launch(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right, config=None) -> dict:
-    """q/out [B, Hq, Nq, d] and k/v [B, Hkv, Nk, d], TMA-able (``usable``); lse None or fp32 [B, Hq, Nq].
-    ``config`` overrides entries of ``config_for(d)`` (benchmarks compare variants with it)."""
-    B, Hq, Nq, d = q.shape
-    q_blocks = triton.cdiv(Nq, BLOCK_M.value)
-    flat = B * Hq > MAX_GRID_Y
-    grid = (q_blocks * B * Hq,) if flat else (q_blocks, B * Hq)
-    few_ctas = q_blocks * B * Hq <= DEVICE_DESC_MAX_WAVES * runtime.device_facts(q.device)[1]
-    cfg = {**config_for(d), "DEVICE_DESC": few_ctas, **(config or {})}
-    if cfg["DEVICE_DESC"]:
-        ensure_descriptor_allocator()
-        srcs = (q, k, v, out)
-    else:
-        srcs = (_descriptor(q, HALF_M), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
-                _descriptor(out, HALF_M))
-    attention_fwd_ws_kernel[grid](
-        *srcs, lse if lse is not None else out, B, Hq, k.shape[1], Nq, k.shape[2],
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        qk_scale, pos_offset, max(window_left, 0), max(window_right, 0), HEAD_D=d,
-        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, STORE_LSE=lse is not None, FLAT_GRID=flat,
-        num_warps=4, maxnreg=LAUNCH_MAXNREG, **cfg)
-    return dict(BLOCK_M=BLOCK_M.value, **cfg, WARP_SPECIALIZE=True)
-
-
-def sm90_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_left: bool = False,
-                     has_right: bool = False, store_lse: bool = True, config: dict | None = None,
-                     flat_grid: bool = False):
-    """(kernel, signature, constexprs, options) for harness.compiler.compile_gluon_sm90: host descriptors'
-    signature strings are built from a CPU tensor, as a launch would specialize them."""
-    from triton.runtime.jit import mangle_type
-
-    fn = attention_fwd_ws_kernel
-    cfg = {**config_for(head_dim), "DEVICE_DESC": True, **(config or {})}
-    constexprs = dict(HEAD_D=head_dim, HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse,
-                      FLAT_GRID=flat_grid, **cfg)
-    signature = {name: "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names if name not in constexprs}
-    t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
-    if cfg["DEVICE_DESC"]:
-        q_sig = kv_sig = mangle_type(t)
-    else:
-        q_sig, kv_sig = mangle_type(_descriptor(t, HALF_M)), mangle_type(_descriptor(t, cfg["BLOCK_N"]))
-    signature.update(q_src=q_sig, o_src=q_sig, k_src=kv_sig, v_src=kv_sig, lse_ptr="*fp32")
-    return fn, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)

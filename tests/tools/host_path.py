@@ -1,11 +1,11 @@
-"""The host side of a compiled-path call, on any machine: every Triton launch is replaced by a recorder.
+"""Test tool: the host side of a compiled-path call, on any machine, with every Triton launch recorded.
 
 A fused kernel of 70 us is host-bound when its Python (checks, dispatch, autotuner lookup, Triton's
 launcher) takes longer, and `do_bench` then measures the host. The GPU is lent for minutes, so this
 module lets the launch path be exercised and timed on a CPU: inside ``stubbed_launches()`` every op
 takes its compiled path (``runtime.execution_path`` says "compiled", ``runtime.device_facts`` gives an
 H200's SM count) with CPU tensors, and each kernel launch is recorded -- kernel name, grid, launch
-arguments -- instead of run. Triton's own launcher (binding arguments, the C launch) is not timed; on
+arguments -- instead of run; so are the launch layer's replays (kernels/fastpath.py). Triton's own launcher (binding arguments, the C launch) is not timed; on
 the H200 it adds its own tens of microseconds (benchmarks/host_overhead.py measures the whole).
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ class Launch:
     kernel: str
     grid: tuple
     kwargs: dict = field(repr=False)
-    replay: bool = False  # issued by kernels/relaunch.py, not through Triton's launch path
-    pointers: tuple = ()  # data_ptr() of every tensor argument, in parameter order
+    replay: bool = False  # issued by the launch layer's fast path (kernels/fastpath.py), not Triton's
+    pointers: tuple = ()  # the address of every pointer argument, in parameter order
 
 
 def _pointers(values) -> tuple:
@@ -55,17 +55,19 @@ class StandInDriver:
 
 
 class StubCompiledKernel:
-    """What a launch returns once compiled, as far as kernels/relaunch.py uses it: its ``run`` -- the C
-    launcher's call, every parameter in order -- records a Launch (the kernel's own keyword arguments
-    read back from the positions the replay filled, and its launch options) instead of launching."""
+    """What a launch returns once compiled, as far as kernels/fastpath.py uses it: its ``run`` -- the C
+    launcher's call, every parameter in order, pointers as addresses -- records a Launch (the kernel's
+    own keyword arguments read back from the positions the replay filled, and its launch options)
+    instead of launching."""
 
     function = None
     packed_metadata = None
 
-    def __init__(self, name, arg_names, kwargs, grid_rank, launches):
+    def __init__(self, name, arg_names, kwargs, grid_rank, launches, tensor_positions):
         self.name, self.arg_names, self.grid_rank, self.launches = name, list(arg_names), grid_rank, launches
         self.kwarg_names = [k for k in kwargs if k in self.arg_names]
         self.options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
+        self.tensor_positions = tensor_positions
 
     def launch_metadata(self, grid, stream, *args):
         return None
@@ -75,8 +77,9 @@ class StubCompiledKernel:
         assert len(args) == len(self.arg_names), "a replay passes every parameter, constexprs included"
         values = dict(zip(self.arg_names, args))
         kwargs = {k: values[k] for k in self.kwarg_names}
+        pointers = tuple(int(args[i]) for i in self.tensor_positions)
         self.launches.append(Launch(self.name, (grid_0, grid_1, grid_2)[:self.grid_rank],
-                                    {**kwargs, **self.options}, replay=True, pointers=_pointers(args)))
+                                    {**kwargs, **self.options}, replay=True, pointers=pointers))
 
 
 def _launcher_classes():
@@ -98,8 +101,10 @@ def stubbed_launches(sms: int = 132, major: int = 9):
     def record(self, *args, grid=None, warmup=False, **kwargs):
         meta = {**dict(zip(self.arg_names, args)), **kwargs}
         g = tuple(grid(meta) if callable(grid) else grid)
-        launches.append(Launch(self.fn.__name__, g, kwargs, pointers=_pointers(meta.values())))
-        return StubCompiledKernel(self.fn.__name__, self.arg_names, kwargs, len(g), launches)
+        ordered = [meta.get(name) for name in self.arg_names]
+        launches.append(Launch(self.fn.__name__, g, kwargs, pointers=_pointers(ordered)))
+        positions = [i for i, v in enumerate(ordered) if isinstance(v, torch.Tensor)]
+        return StubCompiledKernel(self.fn.__name__, self.arg_names, kwargs, len(g), launches, positions)
 
     saved = [(cls, cls.run) for cls in _launcher_classes()]
     saved_path, saved_facts = runtime.execution_path, runtime.device_facts
@@ -111,7 +116,7 @@ def stubbed_launches(sms: int = 132, major: int = 9):
         runtime.execution_path = lambda t: runtime.COMPILED
         runtime.device_facts = lambda device: (major, sms)
         torch.Tensor.is_cuda = property(lambda self: True)  # the dispatch's "is this a GPU tensor" checks
-        driver.set_active(StandInDriver(major))  # what a replayed launch (kernels/relaunch.py) asks for
+        driver.set_active(StandInDriver(major))  # what the fast path's key and replays ask for
         torch.cuda.current_device = lambda: 0
         yield launches
     finally:

@@ -1,6 +1,6 @@
 """Hopper GEMM ``y = act(x @ w^T + b)``: tensor descriptors (TMA), persistent grid, fused epilogue.
 
-Fuses: GEMM + bias + activation, as gemm_epilogue.py, with the same HBM bytes: (M*K + N*K + M*N)*s fused
+Fuses: GEMM + bias + activation, as portable.py, with the same HBM bytes: (M*K + N*K + M*N)*s fused
 against (M*K + N*K + 3*M*N)*s for GEMM-then-activation; and the gated (GLU) form with two accumulators
 fed by one x tile: (M*K + 2*N*K + M*N)*s against eager's (M*K + 2*N*K + 7*M*N)*s.
 Tiling: one program per SM walks output tiles tile_id = pid, pid + NUM_SMS, ... in grouped order (GROUP_M
@@ -10,25 +10,21 @@ activation on the fp32 accumulator and stores through TMA, optionally in two N-h
 to halve the registers and shared memory it needs. TMA zero-fills out-of-bounds loads and clips stores,
 so the edges need no masks.
 NORM (layer_norm_linear): ``act(norm(x) @ W^T + b)`` with the normalization moved past the GEMM. With
-W' = W * gamma (gamma along K), s = W' summed over K and c = b + W @ beta (kernels/norm_linear.py makes
-them), norm(x) @ W^T + b = rstd * (x @ W'^T - mean * s) + c: the main loop is this TMA GEMM on raw x,
+W' = W * gamma (gamma along K), s = W' summed over K and c = b + W @ beta (kernels/gemm/launch.py makes
+them with norm_prologue.weight_fold_kernel), norm(x) @ W^T + b = rstd * (x @ W'^T - mean * s) + c: the main loop is this TMA GEMM on raw x,
 which also sums each row of the x tiles it already holds (the statistics: no pre-pass reads x again),
 and the epilogue applies mean and rstd. No normalized x is written. x still arrives by TMA, but its dot
 reads it from registers (see the main loop for the pipelining hazard this avoids); W stays in shared memory.
 Limits: x and y row-contiguous, w [N, K] K-contiguous, row strides multiples of 16 bytes, base pointers
-16-byte aligned; otherwise tilefuse.linear uses the portable kernel (gemm_epilogue.py).
+16-byte aligned; otherwise the launch layer (kernels/gemm/launch.py) runs the portable kernel (portable.py).
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from tilefuse import runtime, tuning
-from tilefuse.kernels import relaunch
-from tilefuse.kernels.tiling import cdiv, ensure_descriptor_allocator, grouped_tile
-from tilefuse.kernels.activations import GATED_ACTIVATIONS, apply_activation, apply_gated
-from tilefuse.kernels.gemm_epilogue import prune_gated_configs
+from tilefuse.kernels.activations import apply_activation, apply_gated
+from tilefuse.kernels.tiling import grouped_tile
 
 
 @triton.jit
@@ -161,75 +157,3 @@ def _epilogue(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS: tl.con
     if GATED:
         return apply_gated(acc, acc_up, ACTIVATION)
     return apply_activation(acc, ACTIVATION)
-
-
-def _tma_config(bm, bn, bk, stages, warps, subtile=True, ws=False, group=8):
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, EPILOGUE_SUBTILE=subtile,
-                              WARP_SPECIALIZE=ws), num_stages=stages, num_warps=warps)
-
-
-def tma_supported(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
-    """TMA needs unit inner strides, 16-byte-aligned row strides and base addresses, on sm_90+."""
-    if not (x2d.is_cuda and runtime.device_facts(x2d.device)[0] >= 9):
-        return False
-    s = x2d.element_size()
-    for t in (x2d, *others):
-        if t.stride(-1) != 1 or (t.stride(0) * s) % 16 or t.data_ptr() % 16:
-            return False
-    return True
-
-
-linear_tma_autotuned = tuning.autotune(
-    name="linear_tma",
-    configs=[_tma_config(**c) for c in tuning.TMA_GEMM_CONFIGS],
-    # NORM: layer_norm_linear's form reads x tiles into registers as well, which changes what fits; and
-    # RMSNorm without bias has linear's dtypes, so only NORM tells the two keys apart.
-    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "NORM"],
-    prune_configs_by={"early_config_prune": prune_gated_configs},
-)(linear_tma_kernel)
-
-
-def launch_linear_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, b_up=None,
-                      norm: tuple | None = None, capture: bool = False):
-    """Persistent TMA launch. ``config`` pins one config (benchmarks of variants); None autotunes.
-    ``w_up``/``b_up``: the up-projection of a gated activation. ``norm``: (1 for LayerNorm or 2 for
-    RMSNorm, eps, colsum fp32 [N] or None for RMSNorm) for layer_norm_linear, where ``w`` is the
-    gamma-folded weight and ``b`` the folded bias (kernels/norm_linear.py).
-    ``capture`` (autotuned, non-gated, no norm): returns (config, replay), where ``replay.call(x2d, w, b, y)``
-    issues this launch again on tensors of the same shapes, strides, dtypes and 16-byte alignment
-    (kernels/relaunch.py), or None when it cannot."""
-    ensure_descriptor_allocator()
-    M, K = x2d.shape
-    N = w.shape[0]
-    num_sms = runtime.device_facts(x2d.device)[1]
-    gated = activation in GATED_ACTIVATIONS
-    norm_kind, eps = 0, 0.0
-    if norm is not None:
-        norm_kind, eps, b_up = norm
-    if not gated:
-        w_up = w
-    args = (x2d, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y,
-            M, N, K, tuning.m_bucket(M), x2d.stride(0), w.stride(0), w_up.stride(0), y.stride(0), eps)
-    common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated, NORM=norm_kind,
-                  NUM_SMS=num_sms)
-
-    def grid(meta):
-        return (min(num_sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
-
-    if config is not None:
-        cfg = _tma_config(**config)
-        linear_tma_kernel[grid(cfg.kwargs)](*args, **common, **cfg.kwargs, num_warps=cfg.num_warps,
-                                            num_stages=cfg.num_stages)
-        return cfg
-    if not capture:
-        linear_tma_autotuned[grid](*args, **common)
-        return linear_tma_autotuned.best_config
-    assert not gated and norm is None, "replay covers the plain linear epilogue"
-    # Tensor arguments: x, w, bias (y when absent), y, w_up (= w), b_up (= y).
-    r = relaunch.launch_and_capture(linear_tma_autotuned, grid, args, common, positions=(0, 1, 2, 3, 4, 5))
-    if r is None:
-        return linear_tma_autotuned.best_config, None
-
-    def replay(x2d, w, b, y):
-        r(x2d, w, y if b is None else b, y, w, y)
-    return linear_tma_autotuned.best_config, relaunch.Replay(r, replay)

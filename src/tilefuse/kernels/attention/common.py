@@ -1,0 +1,64 @@
+"""Pieces both attention kernels share: the tl helpers that map a program to its query block and head
+and find the key tiles its rows see, and the host-side facts about TMA-able tensors and grid limits."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def query_block_and_head(N_Q, BLOCK_M: tl.constexpr, FLAT_GRID: tl.constexpr):
+    """(query block, b * Hq + h) of this program. Query blocks run in reverse order: with causal masks the
+    last blocks carry the most keys, so they start first and the light ones fill the tail of the launch.
+    The q-blocks of one head are consecutive programs (axis 0 runs fastest), so programs in flight share
+    a K/V head in L2. FLAT_GRID: everything on axis 0, for B * Hq past axis 1's limit of 65535 (batched
+    decode). Shared by the portable kernel and the warp-specialized one (ws.py)."""
+    if FLAT_GRID:
+        q_blocks = tl.cdiv(N_Q, BLOCK_M)
+        pid_bh = tl.program_id(0) // q_blocks
+        pid_m = q_blocks - 1 - tl.program_id(0) % q_blocks
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        pid_bh = tl.program_id(1)
+    return pid_m, pid_bh
+
+
+@triton.jit
+def key_tile_ranges(m0, ROWS: tl.constexpr, N_Q, N_K, pos_offset, window_left, window_right,
+                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For query rows [m0, m0 + ROWS): the first BLOCK_N tile any row sees, the end of the keys any row
+    sees, and the tile-aligned range [full_start, full_end) that every row sees whole (empty: both at the
+    first tile, so every tile takes the masked path). Shared by both attention kernels."""
+    last_row = tl.minimum(m0 + ROWS, N_Q) - 1
+    lo = 0
+    hi = N_K
+    full_lo = 0
+    full_hi = N_K
+    if HAS_LEFT:
+        lo = tl.maximum(m0 + pos_offset - window_left, 0)
+        full_lo = tl.maximum(last_row + pos_offset - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(last_row + pos_offset + window_right + 1, 0), N_K)
+        full_hi = tl.minimum(tl.maximum(m0 + pos_offset + window_right + 1, 0), N_K)
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    full_start = (full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_end = (full_hi // BLOCK_N) * BLOCK_N
+    # tl.where, not a runtime `if`, so the scalars keep one type whichever flags are set.
+    no_full = full_end <= full_start
+    full_start = tl.where(no_full, lo_tile, full_start)
+    full_end = tl.where(no_full, lo_tile, full_end)
+    return lo_tile, hi, full_start, full_end
+
+
+
+def descriptors_usable(*tensors) -> bool:
+    """TMA needs a unit last stride, 16-byte-aligned base and outer strides, and no broadcast (0) stride."""
+    for t in tensors:
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(s == 0 or (s * es) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2

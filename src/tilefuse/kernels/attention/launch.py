@@ -1,0 +1,269 @@
+"""The attention family's launch layer: the one place that picks the forward kernel, its config and its
+grid. The warp-specialized Hopper kernel (ws.py) runs for sm_90, fp16/bf16, head dim 64 or 128, no mask
+and TMA-able tensors; the portable kernel (portable.py) runs everything else, and under the
+interpreter. Inputs arrive checked and non-empty (tilefuse.ops).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from tilefuse import runtime, sizes, tuning
+from tilefuse.kernels import fastpath, launches
+from tilefuse.kernels.attention import ws
+from tilefuse.kernels.attention.common import MAX_GRID_Y, descriptors_usable
+from tilefuse.kernels.attention.portable import attention_fwd_kernel
+from tilefuse.kernels.gluon_host import host_descriptor
+from tilefuse.kernels.tiling import ensure_descriptor_allocator
+from tilefuse.sizes import cdiv, next_pow2
+
+LOG2E = 1.4426950408889634
+
+# ---- configs ----------------------------------------------------------------------------------
+# Interpreter: one large fixed tile (its cost is per program, not per element). 64 x 64.
+INTERPRETER_CONFIG = dict(BLOCK_M=64, BLOCK_N=64)
+
+
+def _cfg(bm, bn, warps, stages, maxnreg=None):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+
+
+# Hopper space (pruned per head dim / dtype below). 128-row query tiles with 8 warps feed wgmma at
+# d = 128; d <= 64 prefers 4 warps; d = 256 needs 64-row tiles or shallow pipelines to fit.
+GPU_CONFIGS = [
+    _cfg(128, 64, 4, 3), _cfg(128, 64, 4, 4), _cfg(128, 128, 8, 3),
+    _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2),
+    _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 32, 8, 2),
+    # d = 256: no spills with or without descriptors (sm_90a compiles).
+    _cfg(64, 32, 8, 3), _cfg(64, 64, 8, 2),
+    # Two or three CTAs per SM, so one CTA's softmax runs while another's wgmma does (what FA3 gets
+    # from ping-pong warpgroups, which triton 3.6 cannot express on sm_90). Every tile above takes one
+    # CTA per SM at d = 128 (128x64 w8 s2: 140 registers). Capped at 128 registers it compiles
+    # without spills in 98 KB of shared memory (sm_90a, d = 128, full and causal). At d = 64, 128x64 w4
+    # s3 takes 187 registers (2 CTAs); capped at 168, 3 CTAs with 4 bytes of spill.
+    _cfg(128, 64, 8, 2, maxnreg=128), _cfg(128, 64, 4, 3, maxnreg=168),
+]
+# fp32 with input_precision="ieee" runs tl.dot on the FMA units, whose operand layouts hold far more per
+# thread: the 16-bit tiles above spill 40-105 KB per thread there and take 26-95 s to compile (sm_90a,
+# sm_90a). These small tiles compile in 4-8 s with no spills but 148 bytes at d = 256: 32x16 up to
+# d = 64, 16x16 above.
+FP32_IEEE_CONFIGS = [_cfg(32, 16, 4, 2), _cfg(16, 16, 4, 2)]
+SMEM_LIMIT = 227 * 1024  # H200: shared memory per block
+
+
+def config_fits(bm, bn, warps, stages, block_d, elem_bytes, use_desc=True, has_mask=False):
+    """Shared memory and registers stay within Hopper's limits.
+
+    Shared memory, as the compiler allocates it (checked by compiling every config for sm_90a,
+    benchmarks/compile_study.py): Q once plus K and V in every one of
+    ``stages`` buffers, plus 1 KB of descriptors. Registers: without descriptors Q also sits in
+    registers, so the fp32 accumulator gets half the budget (d = 256 spilled otherwise). A mask adds
+    up to one fp32 score-sized tile (a layout conversion): 64 KB at 128x128 when the mask's row stride is
+    not a multiple of 16, enough to make a d = 128 config fail to launch on the H200."""
+    smem = ((bm * block_d + 2 * stages * bn * block_d) * elem_bytes + (1024 if use_desc else 0)
+            + (bm * bn * 4 if has_mask else 0))
+    acc_regs = bm * block_d // (32 * warps)     # fp32 accumulator per thread
+    score_regs = bm * bn // (32 * warps)        # fp32 score tile per thread
+    acc_cap = 128 if use_desc else 64
+    return smem <= SMEM_LIMIT and acc_regs <= acc_cap and score_regs <= 64 and acc_regs + score_regs <= 160
+
+
+def _prune(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    block_d = args["BLOCK_D"]
+    elem = args["q_ptr"].element_size()
+    ieee = elem == 4 and args.get("INPUT_PRECISION") == "ieee"
+    if ieee:
+        return [fp32_ieee_config(block_d)]
+    configs = [c for c in configs if c not in FP32_IEEE_CONFIGS]
+    if elem != 2 or block_d > 128:  # register caps were sized for 16-bit tiles up to d = 128
+        configs = [c for c in configs if c.maxnreg is None]
+    kept = [c for c in configs
+            if config_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, block_d, elem,
+                           args.get("USE_DESC", True), args.get("HAS_MASK", False))]
+    if block_d <= 64:  # small head dims: 8 warps leave each warp too little wgmma work
+        kept = [c for c in kept if c.num_warps == 4] or kept
+    elif block_d == 128:
+        kept = [c for c in kept if c.num_warps == 8 and c.kwargs["BLOCK_M"] == 128] or kept
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+attention_fwd_tuned = tuning.autotune(
+    name="attention_fwd",
+    configs=GPU_CONFIGS + FP32_IEEE_CONFIGS,
+    key=["Q_BUCKET", "K_BUCKET", "BLOCK_D", "HAS_LEFT", "HAS_RIGHT", "HAS_MASK", "MASK_IS_BOOL",
+         "USE_DESC", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": _prune},
+)(attention_fwd_kernel)
+
+# Below this much work (Nq * Nk) one launch costs less than tuning it: use the heuristic config. This
+# also keeps the GPU test grid (hundreds of small variants) from autotuning every variant.
+AUTOTUNE_MIN_WORK = 512 * 512
+
+
+def fp32_ieee_config(block_d: int) -> triton.Config:
+    """The FMA-path tile: 32x16 up to d = 64 (no spills), 16x16 above (no spills at d = 128, 148 bytes
+    at d = 256 -- the larger ones spill kilobytes)."""
+    return FP32_IEEE_CONFIGS[0] if block_d <= 64 else FP32_IEEE_CONFIGS[1]
+
+
+def heuristic_config(block_d: int, elem_bytes: int, input_precision: str = "tf32") -> triton.Config:
+    if elem_bytes == 4 and input_precision == "ieee":
+        return fp32_ieee_config(block_d)
+    if block_d <= 64:
+        return _cfg(128, 64, 4, 3)
+    if block_d <= 128:
+        return _cfg(128, 64, 8, 3) if elem_bytes == 2 else _cfg(64, 32, 4, 3)
+    # d = 256: 64x32 with 8 warps compiles without spills on both load paths (sm_90a).
+    return _cfg(64, 32, 8, 3) if elem_bytes == 2 else _cfg(64, 32, 4, 2)
+
+
+def ws_config_for(head_dim: int) -> dict:
+    """The warp-specialized kernel's config: 128-key tiles; d = 64 keeps 3 K/V stages in 115 KB, d = 128
+    two in 164 KB. PINGPONG: the consumers' FA3 schedule (ws._consume_pingpong) at d = 128, where it is
+    5-8% faster on the H200 bench rows, and the plain order at d = 64, where it is 1-7% slower.
+    DEVICE_DESC (descriptors made in the kernel) is chosen per launch by ``_launch_ws``."""
+    return dict(BLOCK_N=128, STAGES=3 if head_dim <= 64 else 2, PINGPONG=head_dim > 64)
+
+
+# Descriptors made on the device save ~60 us of host time per call (four host descriptors and their
+# CUtensorMap encodes) but cost every CTA their creation before its first load: on the H200 kernels of
+# 2048-4096 CTAs run 6-47% slower with them, while a 512-CTA Llama prefill (0.1 ms, host-bound) runs
+# 11-28% faster. So launches of at most this many waves of CTAs (132 SMs: 528 CTAs) make them on the
+# device (benchmarks/NOTES.md has the measurements).
+DEVICE_DESC_MAX_WAVES = 4
+
+
+def ws_usable(q, k, v, out, mask) -> bool:
+    """The cases this kernel takes: everything else runs the portable kernel."""
+    return (mask is None and q.is_cuda and runtime.device_facts(q.device)[0] == 9
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in ws.SUPPORTED_HEAD_DIMS
+            and descriptors_usable(q, k, v, out))
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    return host_descriptor(t, (1, 1, int(rows), t.shape[-1]))
+
+
+def _launch_ws(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right, config=None) -> dict:
+    """q/out [B, Hq, Nq, d] and k/v [B, Hkv, Nk, d], TMA-able (``usable``); lse None or fp32 [B, Hq, Nq].
+    ``config`` overrides entries of ``ws_config_for(d)`` (benchmarks compare variants with it)."""
+    B, Hq, Nq, d = q.shape
+    q_blocks = cdiv(Nq, ws.BLOCK_M.value)
+    flat = B * Hq > MAX_GRID_Y
+    grid = (q_blocks * B * Hq,) if flat else (q_blocks, B * Hq)
+    few_ctas = q_blocks * B * Hq <= DEVICE_DESC_MAX_WAVES * runtime.device_facts(q.device)[1]
+    cfg = {**ws_config_for(d), "DEVICE_DESC": few_ctas, **(config or {})}
+    if cfg["DEVICE_DESC"]:
+        ensure_descriptor_allocator()
+        srcs = (q, k, v, out)
+    else:
+        srcs = (_descriptor(q, ws.HALF_M), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
+                _descriptor(out, ws.HALF_M))
+    fastpath.launch(ws.attention_fwd_ws_kernel, grid, (
+        *srcs, lse if lse is not None else out, B, Hq, k.shape[1], Nq, k.shape[2],
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        qk_scale, pos_offset, max(window_left, 0), max(window_right, 0)),
+        dict(HEAD_D=d, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, STORE_LSE=lse is not None,
+             FLAT_GRID=flat, num_warps=4, maxnreg=ws.LAUNCH_MAXNREG, **cfg))
+    return dict(BLOCK_M=ws.BLOCK_M.value, **cfg, WARP_SPECIALIZE=True)
+
+
+def _grid(Nq: int, block_m: int, heads: int) -> tuple:
+    """(query blocks, B * Hq), or everything on axis 0 (FLAT_GRID) when B * Hq passes axis 1's limit."""
+    return (cdiv(Nq, block_m), heads) if heads <= MAX_GRID_Y else (cdiv(Nq, block_m) * heads,)
+
+
+def _launch(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_right,
+                     input_precision, interpret, use_desc=None, kernel="auto"):
+    """q/out [B, Hq, Nq, d], k/v [B, Hkv, Nk, d] (any strides); mask None or broadcastable strides
+    [B, Hq, Nq, Nk] (0 where broadcast); lse None or contiguous fp32 [B, Hq, Nq].
+
+    window_left / window_right < 0 mean unbounded. ``kernel``: "auto" runs the warp-specialized Hopper
+    kernel (ws.py) where it applies and ``use_desc`` is not forced, else the portable
+    kernel; "ws" or "portable" force one ("ws" raises where it cannot run). Returns the config used
+    (``WARP_SPECIALIZE`` set when the warp-specialized kernel ran).
+    """
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if kernel not in ("auto", "ws", "portable"):
+        raise ValueError(f"kernel must be 'auto', 'ws' or 'portable', got {kernel!r}")
+    if kernel != "portable" and not interpret and use_desc is None and ws_usable(q, k, v, out, mask):
+        return _launch_ws(q, k, v, out, lse, qk_scale=scale * LOG2E, pos_offset=pos_offset,
+                          window_left=window_left, window_right=window_right)
+    if kernel == "ws":
+        raise ValueError("the warp-specialized kernel needs sm_90, fp16/bf16, head dim 64 or 128, no mask and "
+                         "TMA-able tensors (16-byte aligned, unit last stride)")
+    block_d = max(16, next_pow2(d))
+    if use_desc is None:
+        # Descriptors on the GPU only (portable pointer path in the interpreter); both paths are tested.
+        use_desc = (not interpret and q.is_cuda and runtime.device_facts(q.device)[0] >= 9
+                    and descriptors_usable(q, k, v, out))
+    if use_desc:
+        ensure_descriptor_allocator()
+    has_mask = mask is not None
+    mask_is_bool = has_mask and mask.dtype == torch.bool
+    if mask_is_bool:
+        mask = mask.view(torch.uint8)
+    mask_strides = mask.stride() if has_mask else (0, 0, 0, 0)
+    args = (q, k, v, out, lse if lse is not None else out, mask if has_mask else out,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
+            B, Hq, Nq, Nk, d, Hq // Hkv, Hkv,
+            scale * LOG2E, pos_offset, max(window_left, 0), max(window_right, 0),
+            sizes.m_bucket(Nq), sizes.m_bucket(Nk))
+    flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_MASK=has_mask,
+                 MASK_IS_BOOL=mask_is_bool, STORE_LSE=lse is not None, EVEN_D=d == block_d,
+                 USE_DESC=use_desc, INPUT_PRECISION=input_precision, BLOCK_D=block_d,
+                 FLAT_GRID=B * Hq > MAX_GRID_Y)
+    if interpret:
+        cfg = INTERPRETER_CONFIG
+        grid = _grid(Nq, cfg["BLOCK_M"], B * Hq)
+        fastpath.launch(attention_fwd_kernel, grid, args, dict(flags, UPCAST_DOT=q.dtype == torch.bfloat16, **cfg))
+        return cfg
+
+    if Nq * Nk < AUTOTUNE_MIN_WORK:
+        cfg = heuristic_config(block_d, q.element_size(), input_precision)
+        grid = _grid(Nq, cfg.kwargs["BLOCK_M"], B * Hq)
+        fastpath.launch(attention_fwd_kernel, grid, args, dict(flags, UPCAST_DOT=False, **cfg.kwargs,
+                                                               num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        return cfg
+
+    def grid(meta):
+        return _grid(Nq, meta["BLOCK_M"], B * Hq)
+
+    fastpath.launch(attention_fwd_tuned, grid, args, dict(flags, UPCAST_DOT=False))
+    return attention_fwd_tuned.launched_config()
+
+
+# ---- entries ---------------------------------------------------------------------------------------
+_FORWARD = fastpath.Plans("attention")
+KERNELS = ("auto", "ws", "portable")
+
+
+def forward(q, k, v, mask, scale: float, pos_offset: int, window_left: int, window_right: int,
+            return_lse: bool, path, kernel: str = "auto"):
+    """out [B, Hq, Nq, d] (contiguous) and lse fp32 [B, Hq, Nq] (or an empty tensor without
+    ``return_lse``) for q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d] with Nq, Nk >= 1, mask None or a view of
+    [B, Hq, Nq, Nk] (broadcast dims at stride 0). ``kernel``: "auto" (the rule in the module doc) or
+    "ws" / "portable" to force one (benchmarks measure both side by side)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    return _FORWARD.run((q, k, v, mask), (scale, pos_offset, window_left, window_right, return_lse, kernel),
+                        lambda: _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse,
+                                         path, kernel))
+
+
+def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel):
+    B, Hq, Nq, d = q.shape
+    out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    if q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
+        precision = "ieee"
+    else:
+        precision = "tf32"  # fp32 with allow_tf32; ignored by tl.dot for 16-bit operands
+    cfg = _launch(q, k, v, out, lse if return_lse else None, mask, scale=scale, pos_offset=pos_offset,
+                  window_left=window_left, window_right=window_right, input_precision=precision,
+                  interpret=path == runtime.INTERPRETER, kernel=kernel)
+    is_ws = isinstance(cfg, dict) and cfg.get("WARP_SPECIALIZE")
+    launches.record("attention", path, "ws" if is_ws else "portable", lambda: tuning.describe(cfg))
+    return out, lse

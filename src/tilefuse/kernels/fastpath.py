@@ -1,0 +1,269 @@
+"""The host's one fast path, used by every op family's launch module the same way.
+
+Nothing is fused here; this is about the host. A decode GEMM or a small norm runs for 10-20 us on the
+GPU, less than the Python of a full launch path: the dispatch's decisions, the autotuner's lookup and
+Triton's ``JITFunction.run`` (which binds and specializes every argument on every call). A call whose
+tensors have the shapes, strides, dtypes, devices and 16-byte alignment of an earlier call, with the
+same scalar arguments on the same stream, decides everything the same way: the launch module then
+replays that call's captured launches with only the pointers replaced.
+
+How a launch module uses it (each family's ``launch.py``)::
+
+    _PLANS = fastpath.Plans("linear")
+
+    def linear(x, weight, bias, ...):
+        return _PLANS.run((x, weight, bias), (activation, precision), lambda: _linear(x, weight, ...))
+
+``Plans.run`` keys the call (:func:`signature`); on a hit it allocates the outputs the first call
+returned (same shapes, strides, dtypes) and issues each captured launch through Triton's C launcher.
+On a miss it runs the full path once under a capture: every kernel launch of the launch layer goes
+through :func:`launch`, which records the compiled kernel, its grid and its bound arguments. The plan
+is kept only when every tensor argument of every launch is one of the call's inputs or outputs (or a
+view into one, at a fixed byte offset) or a buffer registered with :func:`persistent`, and every
+output is written by some launch; anything else (a temporary, a host descriptor object, an output
+written by a torch op) makes the key take the full path every time. The rule for launch modules:
+outputs are produced only by kernels launched through :func:`launch`.
+
+Interpreter and reference calls never replay (:func:`signature` is None off the compiled path).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+
+import torch
+from triton import knobs
+from triton.runtime.driver import driver
+
+from tilefuse import runtime
+from tilefuse.kernels import launches
+
+_local = threading.local()
+_PERSISTENT: dict[int, torch.Tensor] = {}  # data_ptr -> buffer kept for the process (split-K workspaces)
+_NO_PLAN = object()
+_FAMILIES: list["Plans"] = []  # every op family's plans, for clear_all
+MAX_PLANS = 4096  # distinct keys kept per op family; beyond that new keys simply take the full path
+
+
+def persistent(t: torch.Tensor) -> torch.Tensor:
+    """Registers a buffer that lives for the process (never freed or moved): replays may use its
+    address as a constant. Returns ``t``."""
+    _PERSISTENT[t.data_ptr()] = t
+    return t
+
+
+def clear_all() -> None:
+    """Forget every family's plans (tests; after changing tuned configs in this process)."""
+    for family in _FAMILIES:
+        family.clear()
+
+
+def _tensor_key(t):
+    return (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
+
+
+def signature(tensors: tuple, scalars: tuple):
+    """The key of a call: every tensor's (shape, strides, dtype, 16-byte alignment) or None, the scalar
+    arguments, the device and the current stream. None (no fast path) unless the first tensor is a CUDA
+    tensor on the compiled path."""
+    x = tensors[0]
+    if runtime.execution_path(x) != runtime.COMPILED:
+        return None
+    device = x.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (scalars, index, driver.active.get_current_stream(index),
+            tuple([None if t is None else _tensor_key(t) for t in tensors]))
+
+
+class _Step:
+    """One captured launch: the compiled kernel, its grid, every parameter in order (tensors replaced by
+    None), and where each tensor parameter comes from: (position, slot, byte offset), slot indexing
+    inputs then outputs."""
+
+    __slots__ = ("compiled", "grid", "args", "sources", "tuner", "tuner_state")
+
+    def __init__(self, compiled, grid, args, sources, tuner):
+        self.compiled, self.grid, self.args, self.sources = compiled, grid, args, sources
+        self.tuner = tuner
+        self.tuner_state = None if tuner is None else (tuner.cache, tuner.configs)
+
+    def current(self) -> bool:
+        """False once the tuner's config cache or space was replaced: the captured config may no longer
+        be the one the tuner would choose."""
+        t = self.tuner
+        return t is None or (t.cache is self.tuner_state[0] and t.configs is self.tuner_state[1])
+
+
+class Plan:
+    """A replayable call: the outputs to allocate and the launches to issue."""
+
+    __slots__ = ("outputs", "steps", "stream", "records", "single")
+
+    def __init__(self, outputs, steps, stream, records, single):
+        self.outputs, self.steps, self.stream, self.records, self.single = outputs, steps, stream, records, single
+
+    def current(self) -> bool:
+        return all(s.current() for s in self.steps)
+
+    def __call__(self, inputs):
+        device = inputs[0].device
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.outputs]
+        ptrs = [None if t is None else t.data_ptr() for t in inputs] + [t.data_ptr() for t in outs]
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        stream = self.stream
+        for step in self.steps:
+            args = step.args.copy()
+            for pos, slot, offset in step.sources:
+                args[pos] = ptrs[slot] + offset if slot >= 0 else offset
+            k = step.compiled
+            g0, g1, g2 = step.grid
+            meta = None if enter is None else k.launch_metadata(step.grid, stream, *args)
+            k.run(g0, g1, g2, stream, k.function, k.packed_metadata, meta, enter, leave, *args)
+        if self.records and launches.active():
+            for rec in self.records:
+                launches.emit(dataclasses.replace(rec, replayed=True))
+        return outs[0] if self.single else tuple(outs)
+
+
+class Plans:
+    """One op family's plans, keyed by :func:`signature`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._plans: dict = {}
+        _FAMILIES.append(self)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return sum(1 for p in self._plans.values() if p is not _NO_PLAN)
+
+    def run(self, inputs: tuple, scalars: tuple, full):
+        """``full()`` -- the launch module's full path, returning one output tensor or a tuple of them --
+        or the replay of the plan an earlier call with this key captured."""
+        key = signature(inputs, scalars)
+        if key is None:
+            return full()
+        plan = self._plans.get(key)
+        if plan is not None:
+            if plan is _NO_PLAN:
+                return full()
+            if plan.current():
+                return plan(inputs)
+        capture = _Capture()
+        _local.capture = capture
+        try:
+            with launches.recording() as recs:
+                out = full()
+        finally:
+            _local.capture = None
+        if len(self._plans) < MAX_PLANS:
+            self._plans[key] = capture.plan(inputs, out, key[2], recs) or _NO_PLAN
+        return out
+
+
+class _Capture:
+    def __init__(self):
+        self.launches = []  # (compiled kernel, grid, bound arguments, tuner or None)
+        self.ok = True
+
+    def add(self, compiled, grid, bound, tuner):
+        if not hasattr(compiled, "packed_metadata"):
+            self.ok = False
+            return
+        self.launches.append((compiled, grid, bound, tuner))
+
+    def plan(self, inputs, out, stream, recs) -> Plan | None:
+        if not self.ok or not self.launches:
+            return None
+        single = isinstance(out, torch.Tensor)
+        outs = (out,) if single else tuple(out)
+        if not all(isinstance(t, torch.Tensor) for t in outs):
+            return None
+        slots = [t for t in inputs] + list(outs)
+        spans = []
+        for t in slots:
+            if t is None or t.numel() == 0:
+                spans.append(None)  # an empty tensor is never read or written
+                continue
+            extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + 1
+            spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
+        written = {len(inputs) + i for i, t in enumerate(outs) if t.numel() == 0}
+        steps = []
+        for compiled, grid, bound, tuner in self.launches:
+            args, sources = [], []
+            for pos, value in enumerate(bound):
+                if isinstance(value, torch.Tensor):
+                    ptr = value.data_ptr()
+                    hits = [i for i, sp in enumerate(spans) if sp is not None and sp[0] <= ptr < sp[1]]
+                    if len(hits) == 1:
+                        slot = hits[0]
+                        sources.append((pos, slot, ptr - spans[slot][0]))
+                        if slot >= len(inputs):
+                            written.add(slot)
+                    elif not hits and ptr in _PERSISTENT:
+                        sources.append((pos, -1, ptr))
+                    else:
+                        return None  # a temporary, or ambiguous between two of the call's tensors
+                    args.append(None)
+                elif value is None or isinstance(value, (int, float, bool, str)):
+                    args.append(value)
+                else:
+                    return None  # e.g. a host TMA descriptor object, rebuilt per call
+            steps.append(_Step(compiled, grid, args, tuple(sources), tuner))
+        if len(written) != len(outs):
+            return None
+        outputs = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outs]
+        return Plan(outputs, steps, stream, tuple(recs), single)
+
+
+def _bind(fn, args, kwargs):
+    """Every parameter of ``fn`` in order (constexprs included), as Triton's binder hands them to the C
+    launcher; None when one has no value."""
+    params = _PARAMS.get(id(fn))  # by identity: a JITFunction's hash is its source's cache key
+    if params is None:
+        params = _PARAMS[id(fn)] = list(inspect.signature(fn.fn).parameters.values())
+    bound = []
+    for i, param in enumerate(params):
+        if i < len(args):
+            bound.append(args[i])
+        elif param.name in kwargs:
+            bound.append(kwargs[param.name])
+        elif param.default is not inspect.Parameter.empty:
+            bound.append(param.default)
+        else:
+            return None
+    return bound
+
+
+_PARAMS: dict = {}  # id(jit function) -> its parameters; jit functions live for the process
+
+
+def launch(kernel, grid, args: tuple, kwargs: dict):
+    """``kernel[grid](*args, **kwargs)`` -- a ``@triton.jit`` function or a tuning.TableAutotuner -- and,
+    while a plan is being captured on this thread, that launch's compiled kernel and bound arguments."""
+    compiled = kernel[grid](*args, **kwargs)
+    capture = getattr(_local, "capture", None)
+    if capture is None:
+        return compiled
+    tuner = None
+    fn = kernel
+    if hasattr(kernel, "base_fn"):  # an autotuner: the config it ran with joins the arguments
+        tuner = kernel
+        config = kernel.launched_config()
+        if config is None or config.pre_hook is not None:
+            capture.ok = False
+            return compiled
+        kwargs = {**kwargs, **config.all_kwargs()}
+        fn = kernel.fn
+    bound = _bind(fn, args, kwargs)
+    if bound is None:
+        capture.ok = False
+        return compiled
+    if callable(grid):
+        grid = grid(dict(zip(fn.arg_names, bound)))
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    capture.add(compiled, grid, bound, tuner)
+    return compiled

@@ -1,0 +1,124 @@
+"""GEMM config spaces, their pruning rules and the shared-memory models behind them (Hopper).
+
+Used by the tuners in kernels/gemm/launch.py; the rules were checked against sm_90a compiles
+(tests/test_sm90_compile.py) and H200 launch failures.
+"""
+from __future__ import annotations
+
+import triton
+
+INTERPRETER_GEMM = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
+
+
+def _gemm_config(bm, bn, bk, warps, stages, group=8):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group),
+                         num_warps=warps, num_stages=stages)
+
+
+# Portable GEMM space: a few shapes that cover large square-ish problems (128x256), mid-size (128x128)
+# and skinny M (64xN). Configs that do not fit in shared memory for fp32 are dropped by the autotuner
+# (OutOfResources) rather than listed per dtype.
+PORTABLE_GEMM_CONFIGS = [
+    _gemm_config(128, 256, 64, 8, 3),
+    _gemm_config(256, 128, 64, 8, 3),
+    _gemm_config(128, 128, 64, 8, 4),
+    _gemm_config(128, 128, 32, 4, 4),
+    _gemm_config(64, 128, 64, 4, 4),
+    _gemm_config(64, 64, 64, 4, 4),
+    _gemm_config(32, 64, 32, 4, 4),
+]
+
+
+# Hopper TMA persistent GEMM space (tma.py), as dicts so benchmarks can pin one.
+# 128x256x64 with 3 stages is the classic Hopper bf16 shape (two consumer warpgroups of 64 rows);
+# 128x128 serves mid-size N; 64-row tiles serve small M (wgmma's minimum M is 64).
+# Small-M split-K GEMM (decode shapes): 16/32/64-row tiles, narrow columns for more programs, long K
+# steps to keep loads in flight. SPLIT_K_ALIGN: K slices are multiples of it (the largest BLOCK_K here
+# and in INTERPRETER_GEMM), so no K step straddles two slices.
+SPLIT_K_GEMM_CONFIGS = [
+    _gemm_config(bm, bn, bk, 4, stages, group=1)
+    for bm, bn, bk, stages in ((16, 64, 128, 4), (16, 32, 128, 5), (32, 64, 128, 4), (64, 64, 128, 3),
+                               (16, 128, 64, 4))
+]
+SPLIT_K_ALIGN = 128
+
+TMA_GEMM_CONFIGS = [
+    dict(bm=128, bn=256, bk=64, stages=3, warps=8),
+    dict(bm=128, bn=128, bk=64, stages=4, warps=8),
+    dict(bm=128, bn=128, bk=64, stages=4, warps=4),
+    dict(bm=64, bn=128, bk=64, stages=4, warps=4),
+    dict(bm=64, bn=256, bk=64, stages=4, warps=4),
+    # One 128x128 store instead of two halves. The compiler gives the subtiled epilogue one staging buffer,
+    # so the second half waits for the first half's TMA store to finish (sm_90a TTGIR: a
+    # tma_store_wait{0} between them); with short K loops (K <= 1024) that stall is a visible share of a
+    # tile. Unsplit, the only wait is at the next tile's epilogue. sm_90a: 133 registers, no spills.
+    dict(bm=128, bn=128, bk=64, stages=4, warps=8, subtile=False),
+    # Four stages on the largest tile: 229 KB shared (the H200 allows 227 KiB = 232 KB), with and without
+    # NORM; sm_90a with NORM (x into wgmma from registers) and a GELU epilogue: 254 / 245 registers (layer / rms),
+    # no spills.
+    dict(bm=128, bn=256, bk=64, stages=4, warps=8),
+]
+
+
+def tma_config(bm, bn, bk, stages, warps, subtile=True, ws=False, group=8):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, EPILOGUE_SUBTILE=subtile,
+                              WARP_SPECIALIZE=ws), num_stages=stages, num_warps=warps)
+
+
+SMEM_LIMIT = 232448  # Hopper: the most shared memory one block may opt in to (227 KB)
+
+
+def portable_smem_bytes(bm: int, bn: int, bk: int, stages: int, elem_bytes: int, gated: bool,
+                        tensor_cores: bool = True) -> int:
+    """Shared memory of the portable kernel's pipeline, as the compiler allocates it: ``stages`` buffers
+    (``stages - 1`` for fp32 "ieee", which runs on the FMA units) of one x tile and one (gated: two)
+    weight tiles. Checked against ptxas for sm_90a: exact for fp32 ieee and tf32; 16-bit operands
+    allocate less."""
+    buffers = stages if tensor_cores else stages - 1
+    return buffers * (bm * bk + (2 if gated else 1) * bn * bk) * elem_bytes
+
+
+def prune_gated_configs(configs, named_args, **kwargs):
+    """Gated epilogues keep two fp32 accumulators: keep tiles with at most 64 accumulator elements per
+    thread each. sm_90a compiles (benchmarks/compile_check.py) show 128x128 with 4 warps and
+    64x256 spilling (255 registers), and 64x256 needing 311 KB of shared memory; 128x128 with 8 warps
+    and 64x128 with 4 fit (235 registers, no spills)."""
+    if kwargs.get("GATED"):
+        fits = [c for c in configs
+                if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32 * c.num_warps and c.kwargs["BLOCK_N"] <= 128]
+        return fits or configs[-1:]
+    return configs
+
+
+def prune_portable_configs(configs, named_args, extra_smem=None, **kwargs):
+    """The gated register rule, then shared memory: on the H200, fp32 gated 128x128x64 with 4 stages
+    (ieee, 288 KB) and fp32 128x256x64 with 3 stages under tf32 (288 KB) failed to launch (the first
+    config, pinned in the GPU tests). ``extra_smem(config, elem_bytes)``: bytes a kernel built on this
+    main loop adds (layer_norm_linear re-lays out its normalized x tile through shared memory)."""
+    x = named_args.get("x_ptr")
+    elem = x.element_size() if hasattr(x, "element_size") else 4
+    gated = bool(kwargs.get("GATED"))
+    tensor_cores = not (elem == 4 and kwargs.get("INPUT_PRECISION", "ieee") == "ieee")
+    kept = prune_gated_configs(configs, named_args, **kwargs)
+    if not tensor_cores:
+        # fp32 "ieee" runs tl.dot on the FMA units: 128x256 / 256x128 tiles spill ~4 KB per thread and take
+        # 3x longer to compile than 128x128 (sm_90a), and 128x128x32 is faster on the H200 anyway.
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or kept
+    fits = [c for c in kept
+            if portable_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
+                                   c.num_stages, elem, gated, tensor_cores)
+            + (extra_smem(c, elem) if extra_smem else 0) <= SMEM_LIMIT]
+    return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
+
+
+def prune_norm_linear_configs(configs, named_args, **kwargs):
+    """The portable GEMM's rules plus one x tile: the normalized x tile goes through shared memory on its
+    way to tl.dot (fp32 128x128x64, 4 stages: 230,912 B compiled for sm_90a against 196,608 modeled)."""
+    return prune_portable_configs(configs, named_args,
+                                  extra_smem=lambda c, elem: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_K"] * elem,
+                                  **kwargs)
+
+
+# One fixed tile: the fold moves N*K elements once per call (2-4% of the GEMM at the issue's shapes), so
+# it is not worth a tuner; 8 rows x 512 columns with 4 warps gives 16-byte loads and N/8 programs.
+FOLD_BLOCK_N, FOLD_BLOCK_K, FOLD_WARPS = 8, 512, 4

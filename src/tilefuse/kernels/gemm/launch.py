@@ -1,0 +1,361 @@
+"""The GEMM family's launch layer: the one place that decides which GEMM kernel runs, with which
+config, grid and K split, for tilefuse.linear (plain and gated) and tilefuse.layer_norm_linear.
+
+- Hopper (sm_90+), 16-bit operands, TMA-able layouts (unit inner strides, 16-byte-aligned rows and
+  bases): the persistent TMA kernel (tma.py); layer_norm_linear there folds gamma into a copy of the
+  weight and lets the TMA GEMM normalize in its epilogue.
+- Small M (decode, M <= 64 with K >= 1024): the portable kernel with K split over programs, reduced in
+  the same launch (portable.py, SPLIT_K).
+- Everything else, and the interpreter: the portable kernel; layer_norm_linear with a statistics
+  pre-pass (the norms family's kernel) and normalization in the GEMM's prologue (norm_prologue.py).
+
+Each entry allocates its output, records what ran (kernels/launches.py) and goes through the family's
+fast path (kernels/fastpath.py). Inputs arrive checked and non-empty (tilefuse.ops).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tilefuse import runtime, sizes, tuning
+from tilefuse.kernels import fastpath, launches
+from tilefuse.kernels.gemm import configs
+from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
+from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
+from tilefuse.kernels.gemm.tma import linear_tma_kernel
+from tilefuse.kernels.tiling import ensure_descriptor_allocator
+from tilefuse.sizes import cdiv
+
+# ---- tuners ----------------------------------------------------------------------------------------
+# Keyed on the row-count bucket rather than M itself, so a new batch size reuses the tuned tile.
+linear_portable_tuned = tuning.autotune(
+    name="linear_portable",
+    configs=configs.PORTABLE_GEMM_CONFIGS,
+    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K"],
+    prune_configs_by={"early_config_prune": configs.prune_portable_configs},
+)(linear_epilogue_kernel)
+
+# Small M (decode): few output tiles for 132 SMs, so K is split too. Skinny row tiles (tl.dot needs 16
+# rows), narrow column tiles for more programs, long K steps to keep loads in flight.
+linear_splitk_tuned = tuning.autotune(
+    name="linear_splitk",
+    configs=configs.SPLIT_K_GEMM_CONFIGS,
+    key=["M_BUCKET", "N", "K", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K"],
+    prune_configs_by={"early_config_prune": configs.prune_portable_configs},
+)(linear_epilogue_kernel)
+
+linear_tma_tuned = tuning.autotune(
+    name="linear_tma",
+    configs=[configs.tma_config(**c) for c in configs.TMA_GEMM_CONFIGS],
+    # NORM: layer_norm_linear's form reads x tiles into registers as well, which changes what fits; and
+    # RMSNorm without bias has linear's dtypes, so only NORM tells the two keys apart.
+    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "NORM"],
+    prune_configs_by={"early_config_prune": configs.prune_gated_configs},
+)(linear_tma_kernel)
+
+norm_linear_tuned = tuning.autotune(
+    name="norm_linear",
+    configs=configs.PORTABLE_GEMM_CONFIGS,
+    key=["M_BUCKET", "N", "K", "IS_RMS", "HAS_GAMMA", "HAS_BETA", "HAS_BIAS", "ACTIVATION",
+         "INPUT_PRECISION"],
+    # The portable GEMM's shared-memory and fp32-FMA rules apply to this main loop as well.
+    prune_configs_by={"early_config_prune": configs.prune_norm_linear_configs},
+)(norm_linear_kernel)
+
+_LINEAR = fastpath.Plans("linear")
+_GATED = fastpath.Plans("gated_linear")
+_NORM_LINEAR = fastpath.Plans("layer_norm_linear")
+
+
+# ---- decisions -------------------------------------------------------------------------------------
+def precision_for(dtype: torch.dtype, is_cuda: bool) -> str:
+    """tl.dot's input precision: fp32 is full precision unless torch allows TF32 matmuls."""
+    if dtype == torch.float32:
+        return "tf32" if (is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+    return "tf32"  # ignored by tl.dot for 16-bit operands
+
+
+def split_k_for(M: int, N: int, K: int, num_sms: int) -> int:
+    """How many K slices for a small-M GEMM: enough programs for ~2 waves (with 64-wide column tiles),
+    each slice still >= 512 deep. 1 (no split) above 64 rows, where the M x N tiles fill the GPU."""
+    if M > 64 or K < 1024:
+        return 1
+    tiles = cdiv(M, 64) * cdiv(N, 64)
+    return max(1, min(16, cdiv(2 * num_sms, tiles), K // 512))
+
+
+def split_k_slices(M: int, N: int, K: int, path: str, device) -> int:
+    """K slices on the compiled path (:func:`split_k_for`); 1 elsewhere. Tests force a split here."""
+    if path != runtime.COMPILED:
+        return 1
+    return split_k_for(M, N, K, runtime.device_facts(device)[1])
+
+
+def tma_supported(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
+    """TMA needs unit inner strides, 16-byte-aligned row strides and base addresses, on sm_90+."""
+    if not (x2d.is_cuda and runtime.device_facts(x2d.device)[0] >= 9):
+        return False
+    s = x2d.element_size()
+    for t in (x2d, *others):
+        if t.stride(-1) != 1 or (t.stride(0) * s) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def row_addressing(x: torch.Tensor):
+    """The rows of x[..., K] as (outer, inner) with two strides, without copying when possible.
+
+    Returns (x_view, m_inner, stride_outer, stride_inner, stride_k). Leading dims are merged while they
+    are mutually contiguous; if more than two groups remain, x is copied (rare: a >3-D tensor permuted
+    in several leading dims).
+    """
+    K = x.shape[-1]
+    groups: list[list[int]] = []  # [size, stride]; size-1 dims dropped, contiguous neighbours merged
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if groups and groups[-1][1] == size * stride:
+            groups[-1] = [groups[-1][0] * size, stride]
+        else:
+            groups.append([size, stride])
+    if len(groups) > 2:
+        x = x.contiguous()
+        groups = [[x.numel() // max(K, 1), K]]
+    if not groups:
+        groups = [[1, K]]
+    if len(groups) == 1:
+        (m, s), = groups
+        return x, max(m, 1), 0, s, x.stride(-1)
+    (mo, so), (mi, si) = groups
+    return x, mi, so, si, x.stride(-1)
+
+
+# ---- split-K buffers -------------------------------------------------------------------------------
+MIN_TILE = 16  # no config tiles M or N finer (tl.dot needs 16): bounds the number of output tiles
+_COUNTERS: dict = {}
+_WORKSPACES: dict = {}
+
+
+def split_k_workspace(device: torch.device, shape: tuple, stream: int) -> torch.Tensor:
+    """The fp32 partial sums of a split-K launch, ``shape`` (slices, M, N): one buffer per (device, stream,
+    shape), kept for the process (the fast path replays its address). Launches on one stream run in
+    order and each writes every partial it reads, so they can share it; two streams must not."""
+    key = (device.index, stream, shape)
+    buf = _WORKSPACES.get(key)
+    if buf is None:
+        buf = _WORKSPACES[key] = fastpath.persistent(torch.empty(shape, dtype=torch.float32, device=device))
+    return buf
+
+
+def tile_counters(device: torch.device, tiles: int, stream: int) -> torch.Tensor:
+    """Zeroed int32 split-K arrival counters, one per output tile, kept per (device, stream) for the
+    process: every launch leaves them at zero again, so one zeroing serves all later launches; two
+    streams running split-K at once must not share them."""
+    key = (device.index, stream, max(1024, sizes.next_pow2(tiles)))
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = _COUNTERS[key] = fastpath.persistent(torch.zeros(key[2], dtype=torch.int32, device=device))
+    return buf
+
+
+def _stream(device: torch.device) -> int:
+    """The current stream's handle on ``device`` (0 off the GPU): Triton's own getter, a fraction of
+    ``torch.cuda.current_stream``'s host cost."""
+    if device.type != "cuda":
+        return 0
+    from triton.runtime.driver import driver
+    return driver.active.get_current_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# ---- entries ---------------------------------------------------------------------------------------
+def linear(x, weight, bias, activation, path) -> torch.Tensor:
+    """``act(x @ weight^T + bias)`` for x [..., K] (any strides), weight [N, K], bias [N] dense or None."""
+    precision = precision_for(x.dtype, x.is_cuda)
+    return _LINEAR.run((x, weight, bias), (activation, precision),
+                       lambda: _linear(x, weight, bias, None, None, activation, precision, path))
+
+
+def gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path) -> torch.Tensor:
+    """``act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)``, both GEMMs in one kernel."""
+    precision = precision_for(x.dtype, x.is_cuda)
+    return _GATED.run((x, w_gate, w_up, b_gate, b_up), (activation, precision),
+                      lambda: _linear(x, w_gate, b_gate, w_up, b_up, activation, precision, path))
+
+
+def _linear(x, w, b, w_up, b_up, activation, precision, path):
+    N, K = w.shape
+    M = math.prod(x.shape[:-1])
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    x_rows, m_inner, s_outer, s_inner, s_k = row_addressing(x)
+    y2d = y.view(M, N)
+    gated = w_up is not None
+    compiled = path == runtime.COMPILED
+    split_k = split_k_slices(M, N, K, path, x.device)
+    if (compiled and split_k == 1 and x.dtype != torch.float32 and s_k == 1
+            and (s_outer == 0 or m_inner == M)):
+        x2d = x_rows.as_strided((M, K), (s_inner, 1))
+        if tma_supported(x2d, w, y2d, *([w_up] if gated else [])):
+            cfg = _launch_tma(x2d, w, b, y2d, activation, w_up=w_up, b_up=b_up)
+            launches.record("linear", path, "tma", lambda: tuning.describe(cfg))
+            return y
+    cfg = _launch_portable(x_rows, m_inner, s_outer, s_inner, s_k, w, b, y2d, M, N, K, activation, precision,
+                           interpret=path == runtime.INTERPRETER, w_up=w_up, b_up=b_up, split_k=split_k)
+    launches.record("linear", path, "portable" if split_k == 1 else f"split-k {split_k}",
+                    lambda: tuning.describe(cfg))
+    return y
+
+
+def _launch_portable(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K, activation, input_precision,
+                     interpret, w_up=None, b_up=None, split_k=1):
+    """The portable kernel on 2-D-addressable operands; returns the config used."""
+    gated = w_up is not None
+    w_up = w_up if gated else w
+    common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated,
+                  INPUT_PRECISION=input_precision)
+    ws = counters = y
+    k_split_len = K
+    if split_k > 1:
+        # Slices are whole multiples of the largest BLOCK_K in use, so no K step straddles two slices.
+        k_split_len = cdiv(cdiv(K, split_k), configs.SPLIT_K_ALIGN) * configs.SPLIT_K_ALIGN
+        split_k = cdiv(K, k_split_len)
+        stream = _stream(y.device)
+        ws = split_k_workspace(y.device, ((2 if gated else 1) * split_k, M, N), stream)
+        counters = tile_counters(y.device, cdiv(M, MIN_TILE) * cdiv(N, MIN_TILE), stream)
+    common["SPLIT_K"] = split_k
+    args = (x, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y, ws, counters,
+            M, N, K, sizes.m_bucket(M), k_split_len, m_inner,
+            stride_xo, stride_xm, stride_xk, w.stride(0), w.stride(1), w_up.stride(0), w_up.stride(1),
+            y.stride(0), y.stride(1))
+    if interpret:
+        cfg = configs.INTERPRETER_GEMM
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), split_k)
+        fastpath.launch(linear_epilogue_kernel, grid, args,
+                        dict(common, UPCAST_DOT=x.dtype == torch.bfloat16, **cfg))
+        return cfg
+
+    def grid(meta):
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), split_k)
+
+    kernel = linear_splitk_tuned if split_k > 1 else linear_portable_tuned
+    fastpath.launch(kernel, grid, args, dict(common, UPCAST_DOT=False))
+    return kernel.launched_config()
+
+
+def _launch_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, b_up=None,
+                norm: tuple | None = None):
+    """Persistent TMA launch; returns the config used. ``config`` pins one (benchmarks of variants);
+    None autotunes. ``norm``: (1 for LayerNorm or 2 for RMSNorm, eps, colsum fp32 [N] or None) for
+    layer_norm_linear, where ``w`` is the gamma-folded weight and ``b`` the folded bias."""
+    ensure_descriptor_allocator()
+    M, K = x2d.shape
+    N = w.shape[0]
+    num_sms = runtime.device_facts(x2d.device)[1]
+    gated = w_up is not None
+    norm_kind, eps = 0, 0.0
+    if norm is not None:
+        norm_kind, eps, b_up = norm
+    if not gated:
+        w_up = w
+    args = (x2d, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y,
+            M, N, K, sizes.m_bucket(M), x2d.stride(0), w.stride(0), w_up.stride(0), y.stride(0), eps)
+    common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated, NORM=norm_kind,
+                  NUM_SMS=num_sms)
+
+    def grid(meta):
+        return (min(num_sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
+
+    if config is not None:
+        cfg = configs.tma_config(**config)
+        fastpath.launch(linear_tma_kernel, grid(cfg.kwargs), args,
+                        dict(common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        return cfg
+    fastpath.launch(linear_tma_tuned, grid, args, common)
+    return linear_tma_tuned.launched_config()
+
+
+def layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, path) -> torch.Tensor:
+    """``act(norm(x) @ weight^T + bias)``; x [..., K] with K > 0, norm parameters [K] dense or None."""
+    precision = precision_for(x.dtype, x.is_cuda)
+    return _NORM_LINEAR.run((x, norm_weight, norm_bias, weight, bias), (eps, is_rms, activation, precision),
+                            lambda: _layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, is_rms,
+                                                       activation, precision, path))
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[M, n] view with unit column stride; copies only when no such view exists."""
+    t2d = t.reshape(-1, n)
+    if n > 1 and t2d.stride(1) != 1:
+        t2d = t2d.contiguous()
+    return t2d
+
+
+def _layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path):
+    N, K = weight.shape
+    M = math.prod(x.shape[:-1])
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    x2d = _rows(x, K)
+    y2d = y.view(M, N)
+    if path == runtime.COMPILED and x.dtype != torch.float32 and tma_supported(x2d, weight, y2d):
+        cfg = _norm_linear_tma(x2d, is_rms, eps, norm_weight, norm_bias, weight, bias, y2d, activation)
+        launches.record("layer_norm_linear", path, "tma, norm in epilogue", lambda: tuning.describe(cfg))
+        return y
+    from tilefuse.kernels.norms.launch import norm_statistics
+
+    mean, rstd = norm_statistics(x2d, eps, is_rms, interpret=path == runtime.INTERPRETER)
+    cfg = _launch_norm_prologue(x2d, mean, rstd, norm_weight, norm_bias, weight, bias, y2d, is_rms, activation,
+                                precision, interpret=path == runtime.INTERPRETER)
+    launches.record("layer_norm_linear", path, "norm in prologue", lambda: tuning.describe(cfg))
+    return y
+
+
+def fold_weight(w, gamma, beta, b, is_rms: bool):
+    """(W', shift, colsum) for the epilogue form of layer_norm_linear (norm_prologue.py's module doc): W' is
+    ``w`` itself without gamma; shift (fp32 [N]) is None when there is neither beta nor b; colsum (fp32
+    [N]) is None for rms. No kernel runs when none of them needs computing."""
+    N, K = w.shape
+    need_colsum = not is_rms
+    has_beta = beta is not None and not is_rms
+    if gamma is None and not need_colsum and not has_beta:
+        return w, (None if b is None else b), None
+    wf = torch.empty_like(w, memory_format=torch.contiguous_format) if gamma is not None else w
+    colsum = torch.empty(N, dtype=torch.float32, device=w.device) if need_colsum else None
+    has_shift = has_beta or b is not None
+    shift = torch.empty(N, dtype=torch.float32, device=w.device) if has_shift else None
+    unused = w  # any valid pointer for the outputs a flag switches off
+    fastpath.launch(weight_fold_kernel, (cdiv(N, configs.FOLD_BLOCK_N),), (
+        w, gamma if gamma is not None else w, beta if has_beta else w, b if b is not None else w, wf,
+        colsum if colsum is not None else unused, shift if shift is not None else unused,
+        N, K, w.stride(0), wf.stride(0)),
+        dict(HAS_GAMMA=gamma is not None, HAS_BETA=has_beta, HAS_BIAS=b is not None, NEED_COLSUM=need_colsum,
+             BLOCK_N=configs.FOLD_BLOCK_N, BLOCK_K=configs.FOLD_BLOCK_K, num_warps=configs.FOLD_WARPS))
+    return wf, shift, colsum
+
+
+def _norm_linear_tma(x2d, is_rms, eps, gamma, beta, w, b, y2d, activation, config: dict | None = None):
+    """layer_norm_linear on Hopper: the fold, then the TMA GEMM, which takes the row statistics from the
+    x tiles it streams and applies them in its epilogue. ``config`` pins the GEMM's config."""
+    wf, shift, colsum = fold_weight(w, gamma, beta, b, is_rms)
+    return _launch_tma(x2d, wf, shift, y2d, activation, config=config, norm=(2 if is_rms else 1, eps, colsum))
+
+
+def _launch_norm_prologue(x2d, mean, rstd, gamma, beta, w, b, y2d, is_rms, activation, input_precision, interpret):
+    """x2d [M, K] (unit column stride), y2d [M, N] contiguous. Returns the config used."""
+    M, K = x2d.shape
+    N = w.shape[0]
+    args = (x2d, mean, rstd, gamma if gamma is not None else mean, beta if beta is not None else mean,
+            w, b if b is not None else mean, y2d, M, N, K, sizes.m_bucket(M),
+            x2d.stride(0), w.stride(0), w.stride(1), y2d.stride(0))
+    flags = dict(IS_RMS=is_rms, HAS_GAMMA=gamma is not None, HAS_BETA=beta is not None, HAS_BIAS=b is not None,
+                 ACTIVATION=activation or "none", INPUT_PRECISION=input_precision)
+    if interpret:
+        cfg = configs.INTERPRETER_GEMM
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+        fastpath.launch(norm_linear_kernel, grid, args, dict(flags, UPCAST_DOT=x2d.dtype == torch.bfloat16, **cfg))
+        return cfg
+
+    def grid(meta):
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
+
+    fastpath.launch(norm_linear_tuned, grid, args, dict(flags, UPCAST_DOT=False))
+    return norm_linear_tuned.launched_config()

@@ -1,0 +1,54 @@
+"""The path every public op takes, in this order:
+
+1. argument checks (``_checks``: clear errors before any kernel launches);
+2. the call itself: plain eager calls run the op's implementation directly; anything else -- inside
+   ``torch.compile`` or ``torch.export``, under a dispatch or function mode, on tensor subclasses, or
+   when autograd must record the call -- goes through the op's ``torch.library`` registration (its fake
+   implementation for tracing, its autograd formula), which runs the same implementation. Both give the
+   same result; the direct call only skips the dispatcher's ~10 us of host time per call, which is as
+   long as a decode-size kernel runs;
+3. in the implementation: the execution path (``runtime``), then the plain PyTorch reference on CPUs
+   without the interpreter and for empty inputs, else the family's launch layer (``tilefuse.kernels``),
+   on the tensors' own CUDA device.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tilefuse import runtime
+from tilefuse.kernels import launches
+
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_grad_enabled = torch.is_grad_enabled
+
+
+def direct(*tensors) -> bool:
+    """Whether this call can run the implementation without the dispatcher (see the module doc)."""
+    if _is_compiling() or _dispatch_modes() or _function_modes():
+        return False
+    grad = _grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not _Tensor or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def on_device(t: torch.Tensor):
+    """A guard making ``t``'s CUDA device current for the launches (Triton launches on the current one)."""
+    if t.is_cuda:
+        index = t.device.index
+        if index is not None and index != torch.cuda.current_device():
+            return torch.cuda.device(index)
+    return contextlib.nullcontext()
+
+
+def record_reference(op: str, path: str) -> None:
+    """The launch record of a call answered by the plain PyTorch reference (no kernel launched)."""
+    if launches.active():
+        launches.record(op, runtime.REFERENCE if path == runtime.REFERENCE else path, "",
+                        "plain PyTorch" if path == runtime.REFERENCE else "empty input: no kernel")
