@@ -8,7 +8,11 @@
 # tests matching SAN_K (default test_linear),
 # CACHE_OUT=1 to return the Triton cache, a carried .carry/results*.log to skip tests that passed in an
 # earlier call (each call writes $OUT/results.log: outcome, seconds and id of every test as it ends),
-# TEST_K a pytest -k expression for the tests, REPORT_ARGS extra arguments for `tilefuse report` (e.g. "--quick --anchors eager cublaslt").
+# TEST_K a pytest -k expression for the tests, TEST_FILES the test files (default: tests),
+# TILEFUSE_REGISTRY_STRIDE=k to run every k-th registry-grid case (tests/conftest.py),
+# HOST_PER_OP=1 to time the host side of every op first (benchmarks/host_per_op.py: this tree with and
+# without the launch layer's fast path, and the tree carried in .carry/old/src when there is one),
+# REPORT_ARGS extra arguments for `tilefuse report` (e.g. "--quick --anchors eager cublaslt").
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tilefuse_out}
@@ -30,6 +34,15 @@ left() { echo $(( LIMIT - ($(date +%s) - START) )); }
 OPS=("$@")
 { nvidia-smi; python3 -m tilefuse info; git log -1 --oneline 2>/dev/null; echo "ops: ${OPS[*]:-all}"; } > "$OUT/env.txt" 2>&1
 
+if [ "${HOST_PER_OP:-0}" = 1 ]; then
+  timeout 240 python3 benchmarks/host_per_op.py --out "$OUT/host_new.json" > "$OUT/host.log" 2>&1
+  timeout 120 python3 benchmarks/host_per_op.py --no-fastpath --out "$OUT/host_new_full.json" >> "$OUT/host.log" 2>&1
+  if [ -d .carry/old/src ]; then
+    PYTHONPATH="$PWD/.carry/old/src" timeout 240 python3 benchmarks/host_per_op.py --out "$OUT/host_old.json" >> "$OUT/host.log" 2>&1
+  fi
+  echo "host per op exit: $?" >> "$OUT/host.log"
+  tail -3 "$OUT/host.log"
+fi
 K_EXPR=${TEST_K:-}   # pytest -k expression; default: the whole suite
 if [ "${TESTS:-1}" = 1 ]; then
   # Tests pin each kernel to its first config (TILEFUSE_AUTOTUNE=0): hundreds of small shapes must not
@@ -38,7 +51,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   # Resume: tests recorded as passed in carried result logs (.carry/results*.log) are not run again.
   SKIP_PASSED=$(ls .carry/results*.log 2>/dev/null | paste -sd: -)
   TILEFUSE_SKIP_PASSED="$SKIP_PASSED" TILEFUSE_RESULT_LOG="$OUT/results.log" \
-  TILEFUSE_FAIL_LOG="$OUT/failures.log" TILEFUSE_AUTOTUNE=0 timeout "${TESTS_LIMIT:-$(( $(left) / 2 ))}" python3 -m pytest -q -n "${WORKERS:-12}" --dist loadgroup -p no:cacheprovider tests ${K_EXPR:+-k "$K_EXPR"} \
+  TILEFUSE_FAIL_LOG="$OUT/failures.log" TILEFUSE_AUTOTUNE=0 timeout "${TESTS_LIMIT:-$(( $(left) / 2 ))}" python3 -m pytest -q -n "${WORKERS:-12}" --dist loadgroup -p no:cacheprovider ${TEST_FILES:-tests} ${K_EXPR:+-k "$K_EXPR"} \
     --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
   echo "tests exit: $?" >> "$OUT/tests.log"
   tail -3 "$OUT/tests.log"

@@ -43,7 +43,29 @@ def _already_passed() -> set[str]:
     return done
 
 
+def _registry_sample(items):
+    """TILEFUSE_REGISTRY_STRIDE=k keeps every k-th registry-grid case of each op (in grid order, so the
+    sample spans every axis) and drops the rest: a GPU call too short for the whole grid (2,800 compiled
+    cases) still checks every op. Unset (CI, full runs): every case."""
+    stride = int(os.environ.get("TILEFUSE_REGISTRY_STRIDE", "1") or 1)
+    if stride <= 1:
+        return items, []
+    seen: dict = {}
+    kept, dropped = [], []
+    for item in items:
+        if "test_matches_float64_reference" not in item.nodeid:
+            kept.append(item)
+            continue
+        op = item.callspec.id.split("-", 1)[0]
+        i = seen[op] = seen.get(op, -1) + 1
+        (kept if i % stride == 0 else dropped).append(item)
+    return kept, dropped
+
+
 def pytest_collection_modifyitems(config, items):
+    items[:], sampled_out = _registry_sample(items)
+    if sampled_out:
+        config.hook.pytest_deselected(items=sampled_out)
     # A GPU run cut off by its time limit resumes in the next call: tests that passed before are dropped.
     done = _already_passed()
     if done:

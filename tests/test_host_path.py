@@ -353,7 +353,41 @@ def _variants():
             return (q, k, v, mask), lambda: tilefuse.scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
         return make
 
+    def norm_backward(M, N, rms=False, residual=False, weight=True, dtype=torch.bfloat16):
+        def make(seed):
+            x = _t(M, N, dtype=dtype, seed=seed).requires_grad_()
+            w = _t(N, dtype=dtype, seed=seed + 1).requires_grad_() if weight else None
+            r = _t(M, N, dtype=dtype, seed=seed + 2).requires_grad_() if residual else None
+            dy, dh = _t(M, N, dtype=dtype, seed=seed + 3), _t(M, N, dtype=dtype, seed=seed + 4)
+            leaves = [t for t in (x, w, r) if t is not None]
+
+            def run():
+                with torch.enable_grad():
+                    out = (tilefuse.rms_norm(x, (N,), w, 1e-6, residual=r) if rms
+                           else tilefuse.layer_norm(x, (N,), w, None, 1e-5, residual=r))
+                    outs, grads = (list(out), [dy, dh]) if residual else ([out], [dy])
+                    return torch.autograd.grad(outs, leaves, grads)
+            return (x, w, r, dy, dh), run
+        return make
+
+    def softmax_backward(R, N, dim=-1, dtype=torch.bfloat16):
+        def make(seed):
+            x = _t(R, N, dtype=dtype, seed=seed).requires_grad_()
+            dy = _t(R, N, dtype=dtype, seed=seed + 1)
+
+            def run():
+                with torch.enable_grad():
+                    return torch.autograd.grad(tilefuse.softmax(x, dim), [x], [dy])
+            return (x, dy), run
+        return make
+
     return {
+        "norm_backward": [norm_backward(64, 4096), norm_backward(64, 4096, rms=True),
+                          norm_backward(64, 4096, residual=True), norm_backward(64, 4096, weight=False),
+                          norm_backward(128, 4096), norm_backward(64, 2048), norm_backward(4, 70001),
+                          norm_backward(64, 4096, dtype=torch.float32)],
+        "softmax_backward": [softmax_backward(64, 4096), softmax_backward(64, 4096, dim=0),
+                             softmax_backward(2, 1 << 20), softmax_backward(32, 1000)],
         "linear": [linear(512, 1024, 1024), linear(256, 1024, 1024), linear(512, 1024, 1024, act="relu"),
                    linear(512, 1024, 1024, bias=False), linear(512, 1024, 1024, dtype=torch.float16),
                    linear(512, 1024, 1024, offset=8), linear(512, 1024, 1024, transpose=True),

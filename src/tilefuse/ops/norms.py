@@ -148,11 +148,13 @@ def _norm_backward_impl(dy, dh, h, weight, stats, normalized_shape, is_rms, need
         _dispatch.record_reference("rms_norm_backward" if is_rms else "layer_norm_backward", path)
         return _reference_norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db)
     with _dispatch.on_device(h):
-        dx, sums = _norms_launch().backward(_rows(dy, n), _rows(h, n), weight, stats,
-                                            None if dh is None else _rows(dh, n), is_rms, need_dw, need_db, path)
+        dx, parts = _norms_launch().backward(_rows(dy, n), _rows(h, n), weight, stats,
+                                             None if dh is None else _rows(dh, n), is_rms, need_dw, need_db, path)
     dw, db = _no_grad(h), _no_grad(h)
-    if sums is not None:
-        grads = sums.to(h.dtype)  # weight and bias have x's dtype (checked in the forward), h is x's
+    if parts.numel():
+        # One fixed-order reduction over the programs' partial rows (deterministic), one cast for both:
+        # weight and bias have x's dtype (checked in the forward), and h is x's.
+        grads = parts.sum(dim=1).to(h.dtype)
         if need_dw and need_db:  # outputs of a custom op may not alias each other: db gets its own copy
             dw, db = grads[0].view(normalized_shape), grads[1].clone().view(normalized_shape)
         elif need_dw:
@@ -231,8 +233,13 @@ def _norm_backward(ctx, dy, dh, dstats):
     need_db = ctx.has_bias and ctx.needs_input_grad[3]
     dx = dw = db = None
     if grad_x or need_dw or need_db:
-        dx, dw, db = _norm_backward_op(dy, dh if ctx.has_residual else None, h, weight, stats,
-                                       list(ctx.normalized_shape), ctx.is_rms, need_dw, need_db)
+        dh = dh if ctx.has_residual else None
+        if _dispatch.direct(dy, dh, h, weight, stats):  # eager backward: no dispatcher round trip
+            dx, dw, db = _norm_backward_impl(dy, dh, h, weight, stats, ctx.normalized_shape, ctx.is_rms,
+                                             need_dw, need_db)
+        else:
+            dx, dw, db = _norm_backward_op(dy, dh, h, weight, stats, list(ctx.normalized_shape), ctx.is_rms,
+                                           need_dw, need_db)
     # h = x + residual: both receive the gradient of h (the same tensor).
     grads = [dx if ctx.needs_input_grad[0] else None, dx if ctx.has_residual and ctx.needs_input_grad[1] else None,
              dw if need_dw else None]

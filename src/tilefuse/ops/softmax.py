@@ -86,6 +86,8 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy):
     (y,) = ctx.saved_tensors
+    if _dispatch.direct(y, dy):  # eager backward: no dispatcher round trip
+        return _softmax_backward_impl(y, dy, ctx.dim), None, None
     return _softmax_backward_op(y, dy, ctx.dim), None, None
 
 

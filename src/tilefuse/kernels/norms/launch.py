@@ -146,9 +146,9 @@ def _launch_forward(x2d, res2d, weight, bias, y2d, h2d, mean, rstd, eps, is_rms,
 
 
 def _launch_backward(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_dw, compute_db, interpret):
-    """dx is written into dx2d. Returns the fp32 column sums, [2, N] (dweight, dbias), [1, N] (the one
-    asked for) or None: one allocation and one reduction for both, since on a GPU host each torch op
-    costs microseconds and a backward row of this size is near its host time."""
+    """dx is written into dx2d. Returns the fp32 per-program partial column sums, [2 | 1, programs, N]
+    (dweight then dbias, those asked for; one allocation for both) or None; summing them over programs
+    in a fixed order gives deterministic dweight / dbias."""
     M, N = h2d.shape
     block_n = block_n_for(N, interpret)
     dummy = rstd
@@ -196,8 +196,7 @@ def _launch_backward(dy2d, h2d, weight, mean, rstd, dh2d, dx2d, is_rms, compute_
             dh2d.stride(0) if dh2d is not None else 0, dx2d.stride(0)),
             dict(flags, HAS_DH=dh2d is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                  BLOCK_C=next_pow2(num_chunks), num_warps=warps))
-    # Fixed-order reduction of the per-program partial rows: deterministic run to run.
-    return parts.sum(dim=1) if parts is not None else None
+    return parts
 
 
 def _partial_rows(rows, N, compute_dw, compute_db, dev, dummy):
@@ -251,8 +250,9 @@ def norm_statistics(x2d, eps: float, is_rms: bool, interpret: bool):
 
 
 def backward(dy2d, h2d, weight, stats, dh2d, is_rms: bool, compute_dw: bool, compute_db: bool, path):
-    """dx [M, N] (h2d's dtype) and the fp32 column sums [2 | 1, N] (dweight then dbias, those asked for)
-    or None. h2d: the normalized rows (x, or h = x + residual); stats from :func:`forward`."""
+    """dx [M, N] (h2d's dtype) and the fp32 partial column sums [2 | 1, programs, N] (dweight then dbias,
+    those asked for; an empty tensor when neither is): their sum over dim 1 gives the gradients. h2d: the
+    normalized rows (x, or h = x + residual); stats from :func:`forward`."""
     return _BACKWARD.run((dy2d, h2d, weight, stats, dh2d), (is_rms, compute_dw, compute_db),
                          lambda: _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path))
 
@@ -260,7 +260,9 @@ def backward(dy2d, h2d, weight, stats, dh2d, is_rms: bool, compute_dw: bool, com
 def _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path):
     M, N = h2d.shape
     dx = torch.empty((M, N), dtype=h2d.dtype, device=h2d.device)
-    sums = _launch_backward(dy2d, h2d, weight, None if is_rms else stats[0], stats[1], dh2d, dx, is_rms,
-                            compute_dw, compute_db, path == runtime.INTERPRETER)
+    parts = _launch_backward(dy2d, h2d, weight, None if is_rms else stats[0], stats[1], dh2d, dx, is_rms,
+                             compute_dw, compute_db, path == runtime.INTERPRETER)
     launches.record("rms_norm_backward" if is_rms else "layer_norm_backward", path, "", "fixed tiles")
-    return dx, sums
+    if parts is None:
+        parts = torch.empty((0,), dtype=torch.float32, device=h2d.device)
+    return dx, parts
