@@ -12,7 +12,7 @@ import triton
 
 from tilefuse import registry, sizes, tuning
 from tilefuse.harness.report import render_markdown
-from tilefuse.kernels import fastpath
+from tilefuse.kernels import fastpath, launches
 from tilefuse.ops.attention import _attention_impl, _broadcast_shape
 from tools.host_path import stubbed_launches
 
@@ -441,3 +441,10 @@ def test_a_changed_input_never_replays_another_calls_launches(family, pinned_tun
             for make_again in makers:  # re-warm every plan before the next variant
                 make_again(0)[1]()
     assert replayed, "no variant replayed: the test would prove nothing"
+
+def test_nested_recordings_close_their_own_lists():
+    with launches.recording() as outer:
+        with launches.recording() as inner:
+            pass
+        launches.record("x", "compiled", "k", "c")
+    assert [r.op for r in outer] == ["x"] and inner == [] and not launches.active()

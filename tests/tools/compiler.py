@@ -81,8 +81,11 @@ def _facts(kernel) -> dict:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
-                              capture_output=True, text=True, check=True).stderr
+        done = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"ptxas exited {done.returncode}: {(done.stderr or done.stdout).strip()[-2000:]}")
+        info = done.stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", info)]
     ttgir = kernel.asm["ttgir"]

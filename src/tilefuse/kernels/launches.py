@@ -39,7 +39,8 @@ def recording():
     try:
         yield records
     finally:
-        _ACTIVE.remove(records)
+        # By identity: list.remove compares by value, and nested recordings often hold equal lists.
+        del _ACTIVE[next(i for i, r in enumerate(_ACTIVE) if r is records)]
 
 
 def record(op: str, path: str, kernel: str, config) -> LaunchRecord | None:
