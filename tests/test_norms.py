@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import tilefuse
-from helpers import assert_close
+from helpers import ON_GPU, assert_close
 from tilefuse.opspec import REL_L2_BOUND
 from tilefuse.reference import norms as reference
 
@@ -344,3 +344,38 @@ def test_backward_kernels_only_gives_autograds_gradients(device, name, params):
         for g, e in zip(got, expected):
             assert g.shape == e.shape and g.dtype == e.dtype
             assert torch.equal(g, e)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the plain-PyTorch reference path is the CPU path without the interpreter")
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_reference_path_gradients_match_torch(monkeypatch, rms, residual):
+    """A CPU without TRITON_INTERPRET answers with the plain PyTorch reference, forward and backward (the
+    backward recomputes the norm from h, so the gradient through mean and rstd is kept); empty rows too."""
+    from tilefuse.kernels import launches
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    g = torch.Generator().manual_seed(3)
+    x, r, dy = (torch.randn(6, 9, generator=g) for _ in range(3))
+    w, b = torch.randn(9, generator=g), torch.randn(9, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, r)]
+    ref_leaves = [t.double().requires_grad_() for t in (x, w, b, r)]
+
+    def run(xl, wl, bl, rl, lib):
+        h = xl + rl if residual else xl
+        if lib:
+            out = (tilefuse.rms_norm(xl, (9,), wl, 1e-5, residual=rl if residual else None) if rms else
+                   tilefuse.layer_norm(xl, (9,), wl, bl, 1e-5, residual=rl if residual else None))
+            return out[0] if residual else out
+        return F.rms_norm(h, (9,), wl, 1e-5) if rms else F.layer_norm(h, (9,), wl, bl, 1e-5)
+
+    used = leaves[:2] + ([] if rms else leaves[2:3]) + (leaves[3:] if residual else [])
+    ref_used = ref_leaves[:2] + ([] if rms else ref_leaves[2:3]) + (ref_leaves[3:] if residual else [])
+    with launches.recording() as recs:
+        got = torch.autograd.grad(run(*leaves, True), used, dy)
+    want = torch.autograd.grad(run(*ref_leaves, False), ref_used, dy.double())
+    assert recs and all(rec.path == "reference" for rec in recs), recs
+    for i, (a, e) in enumerate(zip(got, want)):
+        assert_close(a, e, REL_L2_BOUND[FP32], f"reference-path gradient {i}")
+    empty = torch.empty(0, 9, requires_grad=True)
+    (gx,) = torch.autograd.grad(tilefuse.layer_norm(empty, (9,)).sum(), [empty])
+    assert gx.shape == (0, 9)

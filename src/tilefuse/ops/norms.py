@@ -141,7 +141,8 @@ def _(x, residual, weight, normalized_shape, eps):
 
 
 def _norm_backward_impl(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
-    """(dx in h's shape, dweight, dbias) -- the last two in weight's dtype, or empty when not asked."""
+    """(dx in h's shape, sums): sums [n, *normalized_shape] in h's dtype holds dweight then dbias, those
+    asked for (n = 0, 1 or 2; one tensor, so the op's outputs never alias)."""
     n = math.prod(normalized_shape)
     path = runtime.execution_path(h)
     if path == runtime.REFERENCE or h.numel() == 0:
@@ -150,64 +151,58 @@ def _norm_backward_impl(dy, dh, h, weight, stats, normalized_shape, is_rms, need
     with _dispatch.on_device(h):
         dx, parts = _norms_launch().backward(_rows(dy, n), _rows(h, n), weight, stats,
                                              None if dh is None else _rows(dh, n), is_rms, need_dw, need_db, path)
-    dw, db = _no_grad(h), _no_grad(h)
-    if parts.numel():
-        # One fixed-order reduction over the programs' partial rows (deterministic), one cast for both:
-        # weight and bias have x's dtype (checked in the forward), and h is x's.
-        grads = parts.sum(dim=1).to(h.dtype)
-        if need_dw and need_db:  # outputs of a custom op may not alias each other: db gets its own copy
-            dw, db = grads[0].view(normalized_shape), grads[1].clone().view(normalized_shape)
-        elif need_dw:
-            dw = grads.view(normalized_shape)
-        else:
-            db = grads.view(normalized_shape)
-    return dx.view(h.shape), dw, db
-
-
-def _no_grad(h):
-    """The placeholder returned for a gradient nobody asked for (a fresh empty tensor each time)."""
-    return torch.empty((0,), dtype=h.dtype, device=h.device)
+    # One fixed-order reduction over the programs' partial rows (deterministic), one cast for both:
+    # weight and bias have x's dtype (checked in the forward), and h is x's.
+    count = int(need_dw) + int(need_db)
+    sums = parts.sum(dim=1).to(h.dtype) if count else torch.empty((0, n), dtype=h.dtype, device=h.device)
+    return dx.view(h.shape), sums.view(count, *normalized_shape)
 
 
 def _reference_norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
-    """The same gradients by autograd through the plain PyTorch forward (reference path, empty inputs)."""
+    """The same gradients by autograd through torch's own norm on h (reference path, empty inputs);
+    the forward's eps is not needed: the saved rstd fixes it, eps = rstd^-2 - var."""
+    n = math.prod(normalized_shape)
+    if not (n and h.numel()):
+        dx = torch.zeros_like(h) if dh is None else dh.clone()
+        sums = torch.zeros((int(need_dw) + int(need_db), *normalized_shape), dtype=h.dtype, device=h.device)
+        return dx.contiguous(), sums
+    hf = h.detach().float()
+    rows = hf.reshape(-1, n)
+    var = (rows * rows).mean(1) if is_rms else rows.var(1, unbiased=False)
+    eps = float((stats[1].reshape(-1).float() ** -2 - var).clamp_min(0).mean()) if rows.shape[0] else 0.0
     with torch.enable_grad():
-        hl = h.detach().requires_grad_()
-        wl = None if weight is None else weight.detach().requires_grad_()
-        n = math.prod(normalized_shape)
-        rstd = stats[1].reshape(h.shape[:h.dim() - len(normalized_shape)] + (1,) * len(normalized_shape))
-        hf = hl.float()
+        hl = hf.requires_grad_()
+        wl = None if weight is None else weight.detach().float().requires_grad_()
         if is_rms:
-            xhat = hf * rstd
+            y = torch.nn.functional.rms_norm(hl, normalized_shape, wl, eps)
         else:
-            xhat = (hf - stats[0].reshape(rstd.shape)) * rstd
-        y = xhat * wl.float() if wl is not None else xhat
-        leaves = [hl] + ([wl] if wl is not None and need_dw else [])
-        grads = torch.autograd.grad(y, leaves, dy.float(), allow_unused=True) if n and h.numel() else None
-    dx = grads[0].to(h.dtype) if grads is not None else torch.zeros_like(h)
+            y = torch.nn.functional.layer_norm(hl, normalized_shape, wl, None, eps)
+        leaves = [hl] + ([wl] if need_dw else [])
+        grads = torch.autograd.grad(y, leaves, dy.float())
+    dx = grads[0].to(h.dtype)
     if dh is not None:
         dx = dx + dh
-    dw, db = _no_grad(h), _no_grad(h)
+    sums = []
     if need_dw:
-        dw = grads[1].to(h.dtype) if grads is not None else torch.zeros(normalized_shape, dtype=h.dtype, device=h.device)
+        sums.append(grads[1])
     if need_db:
-        db = dy.reshape(-1, n).float().sum(0).view(normalized_shape).to(h.dtype) if n and h.numel() else \
-            torch.zeros(normalized_shape, dtype=h.dtype, device=h.device)
-    return dx.contiguous(), dw, db
+        sums.append(dy.float().reshape(-1, *normalized_shape).sum(0))
+    return dx.contiguous(), torch.stack(sums).to(h.dtype) if sums else torch.empty(
+        (0, *normalized_shape), dtype=h.dtype, device=h.device)
 
 
 @torch.library.custom_op("tilefuse::norm_backward", mutates_args=())
 def _norm_backward_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: Optional[torch.Tensor],
                       stats: torch.Tensor, normalized_shape: Sequence[int], is_rms: bool, need_dw: bool,
-                      need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      need_db: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _norm_backward_impl(dy, dh, h, weight, stats, tuple(normalized_shape), is_rms, need_dw, need_db)
 
 
 @_norm_backward_op.register_fake
 def _(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
-    def vec(needed):
-        return torch.empty(tuple(normalized_shape) if needed else (0,), dtype=h.dtype, device=h.device)
-    return torch.empty(h.shape, dtype=h.dtype, device=h.device), vec(need_dw), vec(need_db)
+    count = int(need_dw) + int(need_db)
+    return (torch.empty(h.shape, dtype=h.dtype, device=h.device),
+            torch.empty((count, *normalized_shape), dtype=h.dtype, device=h.device))
 
 
 def _setup_norm(ctx, inputs, output, is_rms):
@@ -235,11 +230,15 @@ def _norm_backward(ctx, dy, dh, dstats):
     if grad_x or need_dw or need_db:
         dh = dh if ctx.has_residual else None
         if _dispatch.direct(dy, dh, h, weight, stats):  # eager backward: no dispatcher round trip
-            dx, dw, db = _norm_backward_impl(dy, dh, h, weight, stats, ctx.normalized_shape, ctx.is_rms,
-                                             need_dw, need_db)
-        else:
-            dx, dw, db = _norm_backward_op(dy, dh, h, weight, stats, list(ctx.normalized_shape), ctx.is_rms,
+            dx, sums = _norm_backward_impl(dy, dh, h, weight, stats, ctx.normalized_shape, ctx.is_rms,
                                            need_dw, need_db)
+        else:
+            dx, sums = _norm_backward_op(dy, dh, h, weight, stats, list(ctx.normalized_shape), ctx.is_rms,
+                                         need_dw, need_db)
+        if need_dw:
+            dw = sums[0]
+        if need_db:
+            db = sums[int(need_dw)]
     # h = x + residual: both receive the gradient of h (the same tensor).
     grads = [dx if ctx.needs_input_grad[0] else None, dx if ctx.has_residual and ctx.needs_input_grad[1] else None,
              dw if need_dw else None]

@@ -164,10 +164,10 @@ def _backward_kernels_only(is_rms):
             _, h, stats = norm_ops._norm_impl(x, residual, weight, bias, tuple(normalized_shape), eps, is_rms)
             entry = graph_cache["kernels_only"] = (x, h if residual is not None else x, stats)
         _, h, stats = entry
-        dx, dw, db = norm_ops._norm_backward_impl(dy, dh if residual is not None else None, h, weight, stats,
-                                                  tuple(normalized_shape), is_rms, weight is not None,
-                                                  bias is not None)
-        grads = [dx] + ([dw] if weight is not None else []) + ([db] if bias is not None else [])
+        dx, sums = norm_ops._norm_backward_impl(dy, dh if residual is not None else None, h, weight, stats,
+                                                tuple(normalized_shape), is_rms, weight is not None,
+                                                bias is not None)
+        grads = [dx] + list(sums.unbind(0))
         return tuple(grads + ([dx] if residual is not None else []))
     return run
 
