@@ -67,6 +67,9 @@ if [ "${REPORT:-1}" = 1 ]; then
     ${OPS[@]:+--ops "${OPS[@]}"} ${REPORT_ARGS:-} > "$OUT/report.log" 2>&1
   echo "report exit: $?" >> "$OUT/report.log"
   tail -3 "$OUT/report.log"
+  # This call's rows as the results table; after committing the report, regenerate benchmarks/RESULTS.md
+  # over the latest committed reports (benchmarks/results_table.py).
+  [ -f "$OUT/report/report.json" ] && python3 benchmarks/results_table.py "$OUT/report/report.json" --out "$OUT/RESULTS.md" >/dev/null
   tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$OUT/report"
 fi
 if [ "${CACHE_OUT:-0}" = 1 ]; then  # the full suite's cache is too large to come back (> 16 MiB)
