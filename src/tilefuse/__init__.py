@@ -2,12 +2,18 @@
 
 Fusion wins because these layers are limited by bytes moved through HBM, not arithmetic: a fused
 kernel keeps intermediates on chip instead of writing them out and reading them back.
+
+``import tilefuse`` imports torch but not triton: the kernels' modules are imported on first launch
+(after :func:`tilefuse.runtime.check_triton`), so ``TRITON_INTERPRET`` can still be set before that.
 """
 from tilefuse.ops.linear import linear
 from tilefuse.ops.attention import attention, scaled_dot_product_attention
 from tilefuse.ops.norms import layer_norm, layer_norm_linear, rms_norm
 from tilefuse.ops.softmax import softmax
+from tilefuse import nn
 
+# The one place the version is written: pyproject.toml reads it from here (dynamic = ["version"]).
 __version__ = "0.1.0"
 
-__all__ = ["linear", "attention", "scaled_dot_product_attention", "__version__", "layer_norm", "rms_norm", "layer_norm_linear", "softmax"]
+__all__ = ["linear", "attention", "scaled_dot_product_attention", "layer_norm", "rms_norm", "layer_norm_linear",
+           "softmax", "nn", "__version__"]

@@ -1,7 +1,9 @@
 """Command line: ``tilefuse report | tune | info`` (also ``python -m tilefuse``).
 
 On a machine without a GPU, ``report`` runs the kernels in the Triton interpreter; the variable must be
-set before triton is imported, which is why this module imports the rest of tilefuse lazily.
+set before triton is imported, which is why this module imports the rest of tilefuse lazily. Each
+command that runs kernels first checks what it needs (numpy for the interpreter, the ``report`` extra,
+the triton version) and stops with one line saying why and how to fix it, exit status 2.
 """
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import argparse
 import os
 import sys
 
+from tilefuse import __version__
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tilefuse", description="Fused Triton kernels for transformer layers.")
+    p.add_argument("--version", action="version", version=f"tilefuse {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="accuracy, speed, HBM bytes and roofline for every op on this device")
     r.add_argument("--ops", nargs="+", metavar="NAME", help="registry op names (default: all)")
@@ -47,6 +52,49 @@ def _prepare_interpreter() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _missing_report_extras() -> list[str]:
+    """The packages of the ``report`` extra that cannot be imported."""
+    missing = []
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        missing.append("rich")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        missing.append("matplotlib")
+    return missing
+
+
+def _triton_problem() -> str | None:
+    """runtime.check_triton's complaint as text, or None (and the check is then done for this process)."""
+    from tilefuse import runtime
+
+    try:
+        runtime.check_triton()
+    except runtime.UnsupportedTritonError as exc:
+        return str(exc)
+    return None
+
+
+def _preflight_report() -> str | None:
+    """Why ``tilefuse report`` cannot run here, as one line (without the command's prefix), or None.
+    Runs before anything is imported that imports triton."""
+    import torch
+
+    from tilefuse import runtime
+
+    if not torch.cuda.is_available():
+        problem = runtime.interpreter_numpy_problem()
+        if problem:
+            return problem
+    missing = _missing_report_extras()
+    if missing:
+        return (f"the report needs rich and matplotlib (the \"report\" extra), and {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not installed: pip install \"tilefuse[report]\"")
+    return _triton_problem()
+
+
 def cmd_info() -> int:
     import platform
 
@@ -54,12 +102,7 @@ def cmd_info() -> int:
 
     from tilefuse import runtime
 
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    import tilefuse
+    triton_version = runtime.triton_version() or "not installed"
 
     path = runtime.default_path()
     explain = {
@@ -68,8 +111,11 @@ def cmd_info() -> int:
         runtime.REFERENCE: "no GPU and TRITON_INTERPRET unset: CPU tensors run the PyTorch reference "
                            "implementations (tilefuse.reference), not Triton",
     }[path]
-    print(f"tilefuse {tilefuse.__version__}")
+    print(f"tilefuse {__version__}")
     print(f"python {platform.python_version()} · torch {torch.__version__} · triton {triton_version}")
+    problems = [runtime.triton_problem(), runtime.interpreter_numpy_problem() if path == runtime.INTERPRETER else None]
+    for problem in filter(None, problems):
+        print(f"warning: {problem}")
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         print(f"device: {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}, "
@@ -84,8 +130,12 @@ def cmd_info() -> int:
 
 def cmd_report(args) -> int:
     _prepare_interpreter()
+    problem = _preflight_report()
+    if problem:
+        print(f"tilefuse report: {problem}", file=sys.stderr)
+        return 2
     from tilefuse import registry
-    from tilefuse.harness.report import ReportArgumentError, run_report
+    from tilefuse.harness import report
 
     for name in args.ops or []:
         if name not in registry.REGISTRY:
@@ -97,14 +147,19 @@ def cmd_report(args) -> int:
         from tilefuse import tuning
         tuning.use_stored_configs(False)
     try:
-        result = run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
-                            anchor_filter=args.anchors, show_progress=not args.no_progress,
-                            dtypes=args.dtype, case_filter=args.cases)
-    except ReportArgumentError as exc:
+        result = report.run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
+                                   anchor_filter=args.anchors, show_progress=not args.no_progress,
+                                   dtypes=args.dtype, case_filter=args.cases)
+    except report.ReportArgumentError as exc:
         print(f"tilefuse report: {exc}", file=sys.stderr)
         return 2
     failed = [f"{name}: {a['case']} {a['dtype']}" for name, op in result["ops"].items()
               for a in op["accuracy"] if not a["pass"]]
+    summary_text = getattr(report, "summary_text", None)  # the pass/fail summary, where the harness has it
+    if summary_text is not None:
+        text = summary_text(result)
+        if text:
+            print(text.rstrip("\n"))
     print(f"wrote {os.path.join(args.out, 'REPORT.md')}, report.json and plots")
     if failed:
         print("accuracy bound exceeded:\n  " + "\n  ".join(failed), file=sys.stderr)
@@ -121,6 +176,10 @@ def cmd_tune(args) -> int:
     if os.environ.get("TILEFUSE_AUTOTUNE", "1") == "0":
         print("tilefuse tune: TILEFUSE_AUTOTUNE=0 pins every kernel to its first config; unset it to tune",
               file=sys.stderr)
+        return 2
+    problem = _triton_problem()
+    if problem:
+        print(f"tilefuse tune: {problem}", file=sys.stderr)
         return 2
     from tilefuse import registry, tuning
     from tilefuse.harness.tune import tune_ops

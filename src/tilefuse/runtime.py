@@ -5,10 +5,19 @@
   same Triton kernel in Triton's interpreter -- slow, for tests on machines without a GPU.
 - ``reference``: a CPU tensor without the interpreter runs the plain PyTorch reference
   (``tilefuse.reference``). This is documented behaviour, and ``tilefuse info`` prints it.
+
+Also the version checks that must pass before a Triton kernel module is imported
+(:func:`check_triton`) or the interpreter is relied on (:func:`interpreter_numpy_problem`). They read
+triton's version from its distribution metadata, so calling them does not import triton (and fix the
+interpreter setting too early) unless no installed distribution is named triton.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
+import re
+import sys
 
 import torch
 
@@ -44,3 +53,90 @@ def device_facts(device: torch.device) -> tuple[int, int]:
         props = torch.cuda.get_device_properties(key)
         _DEVICE_FACTS[key] = (props.major, props.multi_processor_count)
     return _DEVICE_FACTS[key]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Versions tilefuse runs on. pyproject.toml states the same bounds for pip.
+
+SUPPORTED_TRITON = (3, 6)  # major, minor: the kernels are tested on triton 3.6.x only; the Gluon kernels
+#                            use an experimental API that changes between triton releases.
+SUPPORTED_TRITON_TEXT = "%d.%d.x" % SUPPORTED_TRITON
+TRITON_REQUIREMENT = "triton>=%d.%d,<%d.%d" % (*SUPPORTED_TRITON, SUPPORTED_TRITON[0], SUPPORTED_TRITON[1] + 1)
+INTERPRETER_NUMPY_LIMIT = (2, 4)  # triton 3.6's interpreter fails on numpy >= 2.4 (array -> scalar casts)
+ALLOW_UNTESTED_TRITON_ENV = "TILEFUSE_ALLOW_UNTESTED_TRITON"
+
+
+class UnsupportedTritonError(ImportError):
+    """triton is missing, or is a version tilefuse's kernels are not tested on."""
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string: "3.6.0+git1a2b" -> (3, 6, 0)."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
+    return tuple(int(p) for p in m.group(1).split(".")) if m else ()
+
+
+def triton_version() -> str | None:
+    """The installed triton's version, or None when there is none. Imports triton only when no
+    distribution metadata names it (e.g. a source build), so TRITON_INTERPRET can still be set after."""
+    module = sys.modules.get("triton")
+    if module is not None and getattr(module, "__version__", None):
+        return module.__version__
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton  # provided by another distribution (e.g. pytorch-triton): ask the module itself
+
+    return getattr(triton, "__version__", None) or "unknown"
+
+
+def numpy_version() -> str:
+    import numpy
+
+    return numpy.__version__
+
+
+def triton_problem() -> str | None:
+    """Why tilefuse's Triton kernels cannot run with the installed triton, as one sentence, or None."""
+    version = triton_version()
+    if version is None:
+        return (f"tilefuse's Triton kernels need triton {SUPPORTED_TRITON_TEXT}, and triton is not installed: "
+                f"pip install '{TRITON_REQUIREMENT}'")
+    if version_tuple(version)[:2] == SUPPORTED_TRITON:
+        return None
+    if os.environ.get(ALLOW_UNTESTED_TRITON_ENV, "") not in ("", "0"):
+        return None
+    return (f"tilefuse's kernels are tested on triton {SUPPORTED_TRITON_TEXT} only (its Gluon kernels use an "
+            f"experimental API that changes between triton versions), and triton {version} is installed: "
+            f"pip install '{TRITON_REQUIREMENT}' (or set {ALLOW_UNTESTED_TRITON_ENV}=1 to try it anyway)")
+
+
+_TRITON_CHECKED = False
+
+
+def check_triton() -> None:
+    """Raise :class:`UnsupportedTritonError` (an ImportError) naming the installed and the supported
+    triton versions unless the installed one is supported. Call it before importing any triton kernel
+    module; after the first success it costs one global read."""
+    global _TRITON_CHECKED
+    if _TRITON_CHECKED:
+        return
+    problem = triton_problem()
+    if problem is not None:
+        raise UnsupportedTritonError(problem)
+    _TRITON_CHECKED = True
+
+
+def interpreter_numpy_problem() -> str | None:
+    """Why the Triton interpreter (the CPU path of the kernels) cannot run with the installed numpy, as
+    one sentence, or None."""
+    version = numpy_version()
+    if version_tuple(version)[:2] < INTERPRETER_NUMPY_LIMIT:
+        return None
+    limit = ".".join(map(str, INTERPRETER_NUMPY_LIMIT))
+    triton = "%d.%d" % SUPPORTED_TRITON
+    return (f"on a machine without a GPU the kernels run in Triton {triton}'s interpreter, which needs "
+            f"numpy < {limit} (you have numpy {version}): pip install 'numpy<{limit}'")

@@ -73,6 +73,7 @@ def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_righ
         if return_lse:
             lse.copy_(ref_lse)
         return out, lse
+    runtime.check_triton()
     from tilefuse.kernels.attention import launch  # imports triton: only once a kernel is to run
     with _dispatch.on_device(q):
         return launch.forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path,
@@ -93,7 +94,8 @@ def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               window: tuple[int, int] | None = None, scale: float | None = None,
-              return_lse: bool = False, deterministic: bool = False):
+              return_lse: bool = False,
+              deterministic: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward: ``softmax(q k^T * scale) v`` without materialising the scores.
 
     q: ``[B, Hq, Nq, d]``; k, v: ``[B, Hkv, Nk, d]`` with ``Hq % Hkv == 0`` (query head h reads KV

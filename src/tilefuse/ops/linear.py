@@ -74,6 +74,7 @@ def check_linear_args(x, weight, bias, activation, name="weight", bias_name="bia
 
 
 def _gemm_launch():
+    runtime.check_triton()
     from tilefuse.kernels.gemm import launch  # imports triton: only once a kernel is to run
     return launch
 
@@ -124,7 +125,8 @@ def _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation):
         return _gemm_launch().gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+           bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
            activation: str | None = None) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` computed by one fused kernel.
 

@@ -36,6 +36,7 @@ def _check_softmax_args(x, dim, algorithm) -> int:
 
 
 def _softmax_launch():
+    runtime.check_triton()
     from tilefuse.kernels.softmax import launch  # imports triton: only once a kernel is to run
     return launch
 
