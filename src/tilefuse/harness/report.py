@@ -11,6 +11,8 @@ import math
 import platform
 import re
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,7 +45,25 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@contextmanager
+def _quiet_interpreter_math():
+    """The Triton interpreter evaluates kernels in numpy: exp(+large) overflowing to inf, inf - inf in a
+    masked-out lane and the like are the expected math of the kernels there (the results are compared
+    with float64 right after), but numpy warns about each. Those warnings are not tilefuse problems."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", category=RuntimeWarning,
+            message=r"(overflow|invalid value|divide by zero|underflow) encountered in ")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"triton\.runtime\.interpreter")
+        yield
+
+
 def accuracy_for_op(spec: OpSpec, seeds: int, progress=None, task=None) -> list[dict]:
+    with _quiet_interpreter_math():
+        return _accuracy_for_op(spec, seeds, progress, task)
+
+
+def _accuracy_for_op(spec: OpSpec, seeds: int, progress=None, task=None) -> list[dict]:
     device = _device()
     rows = []
     cases = spec.accuracy_cases["gpu" if device.type == "cuda" else "cpu"]
@@ -86,7 +106,7 @@ def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter) ->
     row = {"case": spec.label(params), "dtype": dtype_name(params["dtype"]),
            "flops": flops, "hbm_bytes": bytes_model}
     with torch.no_grad():
-        with launches.recording() as recs:
+        with launches.recording() as recs, _quiet_interpreter_math():
             out = spec.fused(**inputs)
         row["config"] = describe_launches(recs)
         ref = spec.reference(**to_float64(inputs))
@@ -252,7 +272,9 @@ def _fmt(v, spec=".3g"):
 def render_markdown(result: dict) -> str:
     env, ceil = result["environment"], result["ceilings"]
     on_gpu = bool(ceil)
-    lines = ["# tilefuse report", "",
+    lines = ["# tilefuse report", "", "## Summary", ""]
+    lines += [f"- {line}" for line in summary_lines(result)]
+    lines += ["",
              f"{env['device']} · path `{env['path']}` · torch {env['torch']} · triton {env['triton']} · "
              f"python {env['python']} · {env['time_utc']} UTC · {result['seeds']} seeds per accuracy case", ""]
     if on_gpu:
@@ -323,3 +345,91 @@ def _geomean_speedups(rows) -> dict:
                 by_dtype.setdefault(r["dtype"], {}).setdefault(a, []).append(v)
     return {dt: {a: math.exp(sum(map(math.log, vs)) / len(vs)) for a, vs in d.items()}
             for dt, d in by_dtype.items()}
+
+
+# ----------------------------------------------------------------------------------------------- summary
+
+def _ratio(v: float) -> str:
+    return f"{v:.3f}x" if v < 10 else f"{v:.1f}x"
+
+
+def _is_time(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def best_anchor(row: dict):
+    """(name, anchor ms / tilefuse ms) of the fastest anchor of one speed row: the anchor other than
+    tilefuse itself with the smallest time ("eager unfused" counts; anchors that failed do not). None
+    when the row is untimed or no anchor ran."""
+    if not _is_time(row.get("ms")):
+        return None
+    return plots.best_anchor(row)
+
+
+def _accuracy_line(result: dict) -> list[str]:
+    cases, failed = 0, []
+    for name, op in result["ops"].items():
+        for a in op.get("accuracy", []):
+            cases += 1
+            if not a.get("pass", False):
+                why = [f"{a['nan_mismatch']} NaN mismatches"] if a.get("nan_mismatch") else []
+                rel, bound = a.get("rel_l2_max"), a.get("bound")
+                if not why or (isinstance(rel, float) and isinstance(bound, float) and not rel <= bound):
+                    why.append(f"rel-L2 max {_fmt(rel, '.2e')} > bound {_fmt(bound, '.0e')}")
+                failed.append(f"{name} {a['case']} {a['dtype']} ({', '.join(why)})")
+    if not cases:
+        return ["accuracy: no accuracy cases in this report"]
+    verdict = "PASS" if not failed else "FAIL"
+    line = f"accuracy {verdict}: bounds met on {cases - len(failed)} of {cases} cases"
+    if failed:
+        shown = failed[:4]
+        line += "; failed: " + "; ".join(shown) + (f"; and {len(failed) - 4} more" if len(failed) > 4 else "")
+    lines = [line]
+    bench_bad = [f"{name} {r['case']} {r['dtype']}" for name, op in result["ops"].items()
+                 for r in op.get("speed", []) if r.get("accuracy_pass") is False]
+    if bench_bad:
+        lines.append(f"benchmark shapes outside the bound: {len(bench_bad)} rows ("
+                     + ", ".join(bench_bad[:4]) + (", ..." if len(bench_bad) > 4 else "") + ")")
+    return lines
+
+
+def _speed_line(name: str, op: dict) -> str | None:
+    rows = [r for r in op.get("speed", []) if _is_time(r.get("ms"))]
+    if not rows:
+        return None
+    scored = [(r, b) for r in rows if (b := best_anchor(r)) is not None]
+    beats = [(r, b) for r, b in scored if b[1] >= 1.0]  # as benchmarks/RESULTS.md counts them
+    trails = [(r, b) for r, b in scored if b[1] < 1.0]
+    line = f"{name}: beats the best anchor on {len(beats)} of {len(rows)} rows, trails on {len(trails)}"
+    if len(scored) < len(rows):
+        line += f", {len(rows) - len(scored)} without an anchor that ran"
+    notes = []
+    if beats:
+        r, b = max(beats, key=lambda rb: rb[1][1])
+        notes.append(f"best: {r['case']} {r['dtype']} at {_ratio(b[1])} {b[0]}")
+    if trails:
+        r, b = min(trails, key=lambda rb: rb[1][1])
+        notes.append(f"worst: {r['case']} {r['dtype']} at {_ratio(b[1])} {b[0]}")
+    if notes:
+        line += " (" + "; ".join(notes) + ")"
+    failed = sum(1 for r in rows for v in (r.get("anchors") or {}).values() if isinstance(v, str))
+    if failed:
+        line += f"; {failed} anchor runs failed (ignored)"
+    return line
+
+
+def summary_lines(result: dict) -> list[str]:
+    """The pass/fail summary: accuracy bounds met, then per timed op how often tilefuse beats / trails the
+    best (fastest) anchor of each row, with the ratio."""
+    lines = _accuracy_line(result)
+    speed = [line for name, op in result["ops"].items() if (line := _speed_line(name, op))]
+    if speed:
+        lines += speed
+    elif any(op.get("speed") for op in result["ops"].values()):
+        lines.append("speed: not timed (no GPU: kernels ran in the Triton interpreter)")
+    return lines
+
+
+def summary_text(result: dict) -> str:
+    """The summary as plain text, one line per item (what the CLI prints on the terminal)."""
+    return "\n".join(summary_lines(result))
