@@ -379,3 +379,20 @@ def test_reference_path_gradients_match_torch(monkeypatch, rms, residual):
     empty = torch.empty(0, 9, requires_grad=True)
     (gx,) = torch.autograd.grad(tilefuse.layer_norm(empty, (9,)).sum(), [empty])
     assert gx.shape == (0, 9)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the plain-PyTorch reference path is the CPU path without the interpreter")
+def test_reference_path_modules_backward(monkeypatch):
+    """tilefuse.nn modules (whose weights are Parameters) train on the reference path as on the kernels'."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for cls, ref_cls in ((tilefuse.nn.RMSNorm, torch.nn.RMSNorm), (tilefuse.nn.LayerNorm, torch.nn.LayerNorm)):
+        mod, ref = cls(9, eps=1e-5), ref_cls(9, eps=1e-5)
+        with torch.no_grad():
+            mod.weight.normal_()
+            ref.weight.copy_(mod.weight)
+        x = torch.randn(5, 9, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        (mod(x) * torch.arange(9.0)).sum().backward()
+        (ref(xr) * torch.arange(9.0)).sum().backward()
+        assert_close(x.grad, xr.grad, REL_L2_BOUND[FP32], f"{cls.__name__} dx")
+        assert_close(mod.weight.grad, ref.weight.grad, REL_L2_BOUND[FP32], f"{cls.__name__} dweight")

@@ -20,7 +20,7 @@ import torch
 from tilefuse import runtime
 from tilefuse.kernels import launches
 
-_Tensor = torch.Tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_function__: a plain tensor here
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
@@ -33,7 +33,7 @@ def direct(*tensors) -> bool:
         return False
     grad = _grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) is not _Tensor or (grad and t.requires_grad)):
+        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
             return False
     return True
 

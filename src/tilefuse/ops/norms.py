@@ -71,6 +71,7 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def _norms_launch():
+    runtime.check_triton()
     from tilefuse.kernels.norms import launch  # imports triton: only once a kernel is to run
     return launch
 
@@ -159,36 +160,34 @@ def _norm_backward_impl(dy, dh, h, weight, stats, normalized_shape, is_rms, need
 
 
 def _reference_norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
-    """The same gradients by autograd through torch's own norm on h (reference path, empty inputs);
-    the forward's eps is not needed: the saved rstd fixes it, eps = rstd^-2 - var."""
+    """The same gradients in plain PyTorch (reference path, empty inputs), in closed form from the saved
+    statistics, so they hold inside the registered op too (where autograd does not run): with
+    x_hat = (h - mean) * rstd and g = dy * weight, dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
+    (RMSNorm: mean = 0 and no mean(g) term), dweight = sum(dy * x_hat), dbias = sum(dy)."""
     n = math.prod(normalized_shape)
+    count = int(need_dw) + int(need_db)
     if not (n and h.numel()):
         dx = torch.zeros_like(h) if dh is None else dh.clone()
-        sums = torch.zeros((int(need_dw) + int(need_db), *normalized_shape), dtype=h.dtype, device=h.device)
-        return dx.contiguous(), sums
-    hf = h.detach().float()
-    rows = hf.reshape(-1, n)
-    var = (rows * rows).mean(1) if is_rms else rows.var(1, unbiased=False)
-    eps = float((stats[1].reshape(-1).float() ** -2 - var).clamp_min(0).mean()) if rows.shape[0] else 0.0
-    with torch.enable_grad():
-        hl = hf.requires_grad_()
-        wl = None if weight is None else weight.detach().float().requires_grad_()
-        if is_rms:
-            y = torch.nn.functional.rms_norm(hl, normalized_shape, wl, eps)
-        else:
-            y = torch.nn.functional.layer_norm(hl, normalized_shape, wl, None, eps)
-        leaves = [hl] + ([wl] if need_dw else [])
-        grads = torch.autograd.grad(y, leaves, dy.float())
-    dx = grads[0].to(h.dtype)
+        return dx.contiguous(), torch.zeros((count, *normalized_shape), dtype=h.dtype, device=h.device)
+    hf = h.float().reshape(-1, n)
+    dyf = dy.float().reshape(-1, n)
+    rstd = stats[1].float().reshape(-1, 1)
+    x_hat = hf * rstd if is_rms else (hf - stats[0].float().reshape(-1, 1)) * rstd
+    g = dyf * weight.float().reshape(1, n) if weight is not None else dyf
+    inner = g - x_hat * (g * x_hat).mean(dim=1, keepdim=True)
+    if not is_rms:
+        inner = inner - g.mean(dim=1, keepdim=True)
+    dx = (rstd * inner).to(h.dtype).reshape(h.shape)
     if dh is not None:
         dx = dx + dh
     sums = []
     if need_dw:
-        sums.append(grads[1])
+        sums.append((dyf * x_hat).sum(0))
     if need_db:
-        sums.append(dy.float().reshape(-1, *normalized_shape).sum(0))
-    return dx.contiguous(), torch.stack(sums).to(h.dtype) if sums else torch.empty(
-        (0, *normalized_shape), dtype=h.dtype, device=h.device)
+        sums.append(dyf.sum(0))
+    out = torch.stack(sums).reshape(count, *normalized_shape) if sums else \
+        torch.empty((0, *normalized_shape), device=h.device)
+    return dx.contiguous(), out.to(h.dtype)
 
 
 @torch.library.custom_op("tilefuse::norm_backward", mutates_args=())
@@ -268,9 +267,9 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
     return (y, h) if residual is not None else y
 
 
-def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5, *,
-               residual: torch.Tensor | None = None):
+               residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.layer_norm`` in one Triton kernel, differentiable (dx, dweight, dbias, dresidual).
 
     With ``residual``: computes ``h = x + residual`` in the same pass and returns ``(y, h)``, y the
@@ -282,8 +281,9 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = 
     return _norm(x, normalized_shape, weight, bias, eps, residual, is_rms=False)
 
 
-def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
-             eps: float | None = None, *, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
+             eps: float | None = None, *,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.rms_norm`` in one Triton kernel (eps None = ``torch.finfo(x.dtype).eps``, as PyTorch).
 
     ``residual`` as in :func:`layer_norm`: returns ``(y, h)`` with ``h = x + residual``.
@@ -338,9 +338,9 @@ def _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, 
         _dispatch.record_reference("layer_norm_linear", path)
         return y.copy_(reference.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps=eps, norm=norm,
                                                    activation=activation))
-    from tilefuse.kernels.gemm import launch
+    from tilefuse.ops.linear import _gemm_launch
     with _dispatch.on_device(x):
-        return launch.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, norm == "rms", activation, path)
+        return _gemm_launch().layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, norm == "rms", activation, path)
 
 
 def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
