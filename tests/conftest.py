@@ -13,6 +13,9 @@ import torch
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton fixes its mode (interpreter or compiled) when first imported: import it now, so a test that
+# switches TRITON_INTERPRET off to reach the plain-PyTorch path cannot be the first importer.
+import triton  # noqa: E402,F401
 
 import pytest  # noqa: E402
 

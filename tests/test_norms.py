@@ -184,7 +184,9 @@ def test_weight_gradient_is_deterministic(device, N):
     (lambda: tilefuse.layer_norm(torch.randn(3, 4), (4,), eps=-1.0), ValueError, "eps"),
     (lambda: tilefuse.layer_norm(torch.randn(3, 4), ()), ValueError, "at least one"),
     (lambda: tilefuse.layer_norm(torch.ones(3, 4, dtype=torch.int32), (4,)), TypeError, "x has dtype int32"),
-    (lambda: tilefuse.rms_norm(torch.randn(3, 4), (4,), torch.randn(4, dtype=FP16)), TypeError, "weight has dtype"),
+    # another float dtype than x is torch's mixed-precision rule (tests/test_mixed_dtypes.py); float64 is refused
+    (lambda: tilefuse.rms_norm(torch.randn(3, 4), (4,), torch.randn(4, dtype=torch.float64)), TypeError,
+     "weight has dtype"),
     (lambda: tilefuse.rms_norm(torch.randn(3, 4), (4,), residual=torch.randn(3, 4).double()), TypeError, "residual"),
     (lambda: tilefuse.layer_norm([[1.0]], (1,)), TypeError, "x must be a torch.Tensor"),
 ])

@@ -49,7 +49,8 @@ def _check_norm_args(x, normalized_shape, weight, bias, eps, residual):
         check_tensor(name, t)
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)} (normalized_shape), got {list(t.shape)}")
-        check_same_dtype(name, t, "x", x)
+        # Any float dtype, as torch allows (fp32 norm parameters beside bf16 activations): the kernels
+        # compute in fp32 and the output keeps x's dtype.
         check_same_device(name, t, "x", x)
     if residual is not None:
         check_tensor("residual", residual)
@@ -68,6 +69,12 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
     if N > 1 and t2d.stride(1) != 1:
         t2d = t2d.contiguous()
     return t2d
+
+
+def _as_compute_params(x, t):
+    """A norm parameter of another float dtype than x, in fp32 for the reference path (torch's CPU
+    layer_norm refuses some mixed pairs; the kernels compute in fp32 whatever the parameter's dtype)."""
+    return t if t is None or t.dtype == x.dtype else t.float()
 
 
 def _norms_launch():
@@ -90,6 +97,7 @@ def _norm_impl(x, residual, weight, bias, normalized_shape, eps, is_rms):
     n = math.prod(normalized_shape)
     if path == runtime.REFERENCE or x.numel() == 0:
         _dispatch.record_reference("rms_norm" if is_rms else "layer_norm", path)
+        weight, bias = _as_compute_params(x, weight), _as_compute_params(x, bias)
         y, h, stats = _empty_outputs(x, normalized_shape, residual is not None)
         hx = x if residual is None else x + residual
         if residual is not None:
@@ -142,8 +150,9 @@ def _(x, residual, weight, normalized_shape, eps):
 
 
 def _norm_backward_impl(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
-    """(dx in h's shape, sums): sums [n, *normalized_shape] in h's dtype holds dweight then dbias, those
-    asked for (n = 0, 1 or 2; one tensor, so the op's outputs never alias)."""
+    """(dx in h's shape, sums): sums fp32 [n, *normalized_shape] holds dweight then dbias, those asked for
+    (n = 0, 1 or 2; one tensor, so the op's outputs never alias); the caller casts each to its
+    parameter's dtype."""
     n = math.prod(normalized_shape)
     path = runtime.execution_path(h)
     if path == runtime.REFERENCE or h.numel() == 0:
@@ -152,10 +161,9 @@ def _norm_backward_impl(dy, dh, h, weight, stats, normalized_shape, is_rms, need
     with _dispatch.on_device(h):
         dx, parts = _norms_launch().backward(_rows(dy, n), _rows(h, n), weight, stats,
                                              None if dh is None else _rows(dh, n), is_rms, need_dw, need_db, path)
-    # One fixed-order reduction over the programs' partial rows (deterministic), one cast for both:
-    # weight and bias have x's dtype (checked in the forward), and h is x's.
+    # One fixed-order reduction over the programs' partial rows (deterministic).
     count = int(need_dw) + int(need_db)
-    sums = parts.sum(dim=1).to(h.dtype) if count else torch.empty((0, n), dtype=h.dtype, device=h.device)
+    sums = parts.sum(dim=1) if count else torch.empty((0, n), dtype=torch.float32, device=h.device)
     return dx.view(h.shape), sums.view(count, *normalized_shape)
 
 
@@ -168,7 +176,7 @@ def _reference_norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms,
     count = int(need_dw) + int(need_db)
     if not (n and h.numel()):
         dx = torch.zeros_like(h) if dh is None else dh.clone()
-        return dx.contiguous(), torch.zeros((count, *normalized_shape), dtype=h.dtype, device=h.device)
+        return dx.contiguous(), torch.zeros((count, *normalized_shape), dtype=torch.float32, device=h.device)
     hf = h.float().reshape(-1, n)
     dyf = dy.float().reshape(-1, n)
     rstd = stats[1].float().reshape(-1, 1)
@@ -186,8 +194,8 @@ def _reference_norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms,
     if need_db:
         sums.append(dyf.sum(0))
     out = torch.stack(sums).reshape(count, *normalized_shape) if sums else \
-        torch.empty((0, *normalized_shape), device=h.device)
-    return dx.contiguous(), out.to(h.dtype)
+        torch.empty((0, *normalized_shape), dtype=torch.float32, device=h.device)
+    return dx.contiguous(), out
 
 
 @torch.library.custom_op("tilefuse::norm_backward", mutates_args=())
@@ -201,7 +209,7 @@ def _norm_backward_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Ten
 def _(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
     count = int(need_dw) + int(need_db)
     return (torch.empty(h.shape, dtype=h.dtype, device=h.device),
-            torch.empty((count, *normalized_shape), dtype=h.dtype, device=h.device))
+            torch.empty((count, *normalized_shape), dtype=torch.float32, device=h.device))
 
 
 def _setup_norm(ctx, inputs, output, is_rms):
@@ -216,6 +224,7 @@ def _setup_norm(ctx, inputs, output, is_rms):
     ctx.save_for_backward(h if residual is not None else x, weight, stats)
     ctx.normalized_shape, ctx.is_rms = tuple(normalized_shape), is_rms
     ctx.has_residual, ctx.has_weight, ctx.has_bias = residual is not None, weight is not None, bias is not None
+    ctx.param_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
 
 
 def _norm_backward(ctx, dy, dh, dstats):
@@ -234,10 +243,13 @@ def _norm_backward(ctx, dy, dh, dstats):
         else:
             dx, sums = _norm_backward_op(dy, dh, h, weight, stats, list(ctx.normalized_shape), ctx.is_rms,
                                          need_dw, need_db)
+        w_dtype, b_dtype = ctx.param_dtypes
+        if need_dw and need_db and w_dtype == b_dtype:
+            sums = sums.to(w_dtype)  # one cast for both
         if need_dw:
-            dw = sums[0]
+            dw = sums[0].to(w_dtype)
         if need_db:
-            db = sums[int(need_dw)]
+            db = sums[int(need_dw)].to(b_dtype)
     # h = x + residual: both receive the gradient of h (the same tensor).
     grads = [dx if ctx.needs_input_grad[0] else None, dx if ctx.has_residual and ctx.needs_input_grad[1] else None,
              dw if need_dw else None]
@@ -312,7 +324,8 @@ def _check_norm_linear_args(x, norm_weight, norm_bias, weight, bias, eps, norm, 
             raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     for name, t in [("weight", weight)] + [(n, t) for n, t, _ in named]:
         if t is not None:
-            check_same_dtype(name, t, "x", x)
+            if name not in ("norm_weight", "norm_bias"):  # the norm's parameters may be any float dtype
+                check_same_dtype(name, t, "x", x)
             check_same_device(name, t, "x", x)
     if eps is not None and (not isinstance(eps, (int, float)) or not eps >= 0):
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
@@ -336,6 +349,7 @@ def _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, 
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
         _dispatch.record_reference("layer_norm_linear", path)
+        norm_weight, norm_bias = _as_compute_params(x, norm_weight), _as_compute_params(x, norm_bias)
         return y.copy_(reference.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps=eps, norm=norm,
                                                    activation=activation))
     from tilefuse.ops.linear import _gemm_launch

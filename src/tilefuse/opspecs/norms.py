@@ -167,7 +167,8 @@ def _backward_kernels_only(is_rms):
         dx, sums = norm_ops._norm_backward_impl(dy, dh if residual is not None else None, h, weight, stats,
                                                 tuple(normalized_shape), is_rms, weight is not None,
                                                 bias is not None)
-        grads = [dx] + list(sums.unbind(0))
+        params = [t for t in (weight, bias) if t is not None]
+        grads = [dx] + [g.to(t.dtype) for g, t in zip(sums.unbind(0), params)]
         return tuple(grads + ([dx] if residual is not None else []))
     return run
 
