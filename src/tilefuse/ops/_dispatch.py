@@ -52,3 +52,38 @@ def record_reference(op: str, path: str) -> None:
     if launches.active():
         launches.record(op, runtime.REFERENCE if path == runtime.REFERENCE else path, "",
                         "plain PyTorch" if path == runtime.REFERENCE else "empty input: no kernel")
+
+
+# ---- autocast: what torch's op would return ---------------------------------------------------------
+_PROBED: dict = {}
+
+
+def autocast_dtype(x: torch.Tensor):
+    """The autocast dtype for ``x``'s device when autocast is on there, else None."""
+    device = x.device.type
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+def cast_floats(dtype, *tensors):
+    """``tensors`` with every floating tensor in ``dtype`` (None stays None): how autocast feeds a GEMM."""
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t
+                 for t in tensors)
+
+
+def autocast_like(name: str, x: torch.Tensor, torch_op):
+    """The dtype torch's own op (``torch_op(tiny tensor)``) returns for an input of x's dtype under the
+    current autocast state, or None when autocast is off: the per-device cast lists differ (CUDA runs
+    layer_norm and softmax in fp32, CPU keeps the input's dtype), so torch is asked, once per (op, device,
+    autocast dtype, input dtype)."""
+    dtype = autocast_dtype(x)
+    if dtype is None:
+        return None
+    key = (name, x.device.type, dtype, x.dtype)
+    out = _PROBED.get(key) if not _is_compiling() else None
+    if out is None:
+        out = torch_op(torch.ones((1, 2), dtype=x.dtype, device=x.device)).dtype
+        if not _is_compiling():
+            _PROBED[key] = out
+    return out

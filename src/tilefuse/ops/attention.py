@@ -108,6 +108,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     is accepted for the backward (the forward is deterministic: one program owns each output tile).
     Registered as ``torch.ops.tilefuse.attention``.
     """
+    cast = _dispatch.autocast_dtype(q) if isinstance(q, torch.Tensor) else None
+    if cast is not None:  # as torch's SDPA under autocast
+        q, k, v = _dispatch.cast_floats(cast, q, k, v)
     _check_qkv_common(q, k, v, ndim=4)
     if v.shape != k.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
@@ -182,6 +185,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """
     if dropout_p != 0.0:
         raise NotImplementedError("tilefuse.scaled_dot_product_attention has no dropout; use dropout_p=0.0")
+    cast = _dispatch.autocast_dtype(query) if isinstance(query, torch.Tensor) else None
+    if cast is not None:  # as torch's SDPA under autocast (a float mask follows the inputs)
+        query, key, value = _dispatch.cast_floats(cast, query, key, value)
+        if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(cast)
     _check_qkv_common(query, key, value, "query", "key", "value")
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"value head dim {value.shape[-1]} != query head dim "

@@ -150,6 +150,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
         raise ValueError(f"activation must be None or one of {ACTIVATIONS + GATED_ACTIVATIONS}, got {activation!r}")
     if activation in GATED_ACTIVATIONS:
         w_gate, w_up, b_gate, b_up = _split_gated(weight, bias, activation)
+        cast = _dispatch.autocast_dtype(x) if isinstance(x, torch.Tensor) else None
+        if cast is not None:  # as torch's linear under autocast: the GEMM in the autocast dtype
+            x, w_gate, w_up, b_gate, b_up = _dispatch.cast_floats(cast, x, w_gate, w_up, b_gate, b_up)
         check_linear_args(x, w_up, b_up, activation, name="W_up", bias_name="b_up")
         check_linear_args(x, w_gate, b_gate, activation, name="W_gate", bias_name="b_gate")
         check_no_grad_needed("linear", x, w_gate, b_gate, w_up, b_up)
@@ -160,6 +163,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
     if isinstance(weight, (tuple, list)):
         raise ValueError(f"a pair of weights needs a gated activation {GATED_ACTIVATIONS}, "
                          f"got activation={activation!r}")
+    cast = _dispatch.autocast_dtype(x) if isinstance(x, torch.Tensor) else None
+    if cast is not None:  # as torch's linear under autocast: the GEMM in the autocast dtype
+        x, weight, bias = _dispatch.cast_floats(cast, x, weight, bias)
     check_linear_args(x, weight, bias, activation)
     check_no_grad_needed("linear", x, weight, bias)
     bias = dense(bias)

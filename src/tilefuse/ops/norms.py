@@ -265,6 +265,11 @@ _rms_norm_op.register_autograd(_norm_backward, setup_context=lambda ctx, inputs,
 
 
 def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        cast = _dispatch.autocast_like("rms_norm" if is_rms else "layer_norm", x, lambda t: (
+            torch.nn.functional.rms_norm(t, (2,)) if is_rms else torch.nn.functional.layer_norm(t, (2,))))
+        if cast is not None and cast != x.dtype:  # torch's autocast runs this norm in another dtype
+            x, residual = _dispatch.cast_floats(cast, x, residual)
     shape = _check_norm_args(x, normalized_shape, weight, bias, eps, residual)
     weight, bias = dense(weight), dense(bias)
     if eps is None:
@@ -371,6 +376,9 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
     ``torch.finfo(x.dtype).eps`` for rms. Forward only. x: ``[..., K]``; weight: ``[N, K]``; returns
     ``[..., N]``.
     """
+    cast = _dispatch.autocast_dtype(x) if isinstance(x, torch.Tensor) else None
+    if cast is not None:  # no torch counterpart: the fused op runs in the autocast dtype, as its GEMM would
+        x, weight, bias = _dispatch.cast_floats(cast, x, weight, bias)
     _check_norm_linear_args(x, norm_weight, norm_bias, weight, bias, eps, norm, activation)
     norm_weight, norm_bias, bias = dense(norm_weight), dense(norm_bias), dense(bias)
     if norm == "rms":

@@ -109,6 +109,10 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
     logits are safe. CPU tensors run the kernels under ``TRITON_INTERPRET=1`` and ``torch.softmax``
     otherwise.
     """
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        cast = _dispatch.autocast_like("softmax", x, lambda t: torch.softmax(t, -1))
+        if cast is not None and cast != x.dtype:  # torch's autocast runs softmax in another dtype
+            x = x.to(cast)
     dim = _check_softmax_args(x, dim, algorithm)
     x1 = x.reshape(1) if x.dim() == 0 else x
     dim = 0 if x.dim() == 0 else dim

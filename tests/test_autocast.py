@@ -1,0 +1,77 @@
+"""Inside torch.autocast a tilefuse op returns the dtype torch's op returns (GEMMs and attention in the
+autocast dtype; the norms and softmax as torch's per-device autocast lists say), and fused ops without a
+torch counterpart run in the autocast dtype. CPU autocast here; the GPU runs the same tests on CUDA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilefuse
+from helpers import ON_GPU, assert_close
+from tilefuse.opspec import REL_L2_BOUND
+
+DEV = "cuda" if ON_GPU else "cpu"
+BF16 = torch.bfloat16
+
+
+def _r(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV) * scale
+
+
+def _cases():
+    x, w, b = _r(33, 70), _r(45, 70, seed=1, scale=70 ** -0.5), _r(45, seed=2)
+    g = _r(70, seed=3) * 0.5 + 1
+    q, k = _r(1, 2, 37, 16, seed=4), _r(1, 2, 50, 16, seed=5)
+    return [
+        ("linear", lambda: tilefuse.linear(x, w, b, "gelu"), lambda: F.gelu(F.linear(x, w, b))),
+        ("swiglu", lambda: tilefuse.linear(x, (w, w), None, "swiglu"), lambda: F.silu(F.linear(x, w)) * F.linear(x, w)),
+        ("layer_norm", lambda: tilefuse.layer_norm(x, (70,), g, g), lambda: F.layer_norm(x, (70,), g, g)),
+        ("rms_norm", lambda: tilefuse.rms_norm(x, (70,), g, 1e-5), lambda: F.rms_norm(x, (70,), g, 1e-5)),
+        ("softmax", lambda: tilefuse.softmax(x, -1), lambda: torch.softmax(x, -1)),
+        ("sdpa", lambda: tilefuse.scaled_dot_product_attention(q, k, k),
+         lambda: F.scaled_dot_product_attention(q, k, k)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_ops_return_what_torch_returns_under_autocast(index):
+    name, ours, theirs = _cases()[index]
+    with torch.autocast(DEV, dtype=BF16):
+        got, want = ours(), theirs()
+    assert got.dtype == want.dtype, f"{name}: {got.dtype} vs torch's {want.dtype}"
+    assert_close(got, want.double(), REL_L2_BOUND[BF16], f"{name} under autocast")
+
+
+def test_fused_ops_without_torch_counterpart_run_in_the_autocast_dtype():
+    x, w, g = _r(33, 70), _r(45, 70, seed=1, scale=70 ** -0.5), _r(70, seed=3)
+    with torch.autocast(DEV, dtype=BF16):
+        out = tilefuse.layer_norm_linear(x, g, None, w, eps=1e-5, norm="rms")
+        q = _r(1, 2, 37, 16, seed=4)
+        att = tilefuse.attention(q, q, q, causal=True)
+    assert out.dtype == BF16 and att.dtype == BF16
+    want = F.linear(F.rms_norm(x.double(), (70,), g.double(), 1e-5), w.double())
+    assert_close(out, want, REL_L2_BOUND[BF16], "layer_norm_linear under autocast")
+
+
+def test_a_training_step_under_autocast_matches_eager_autocast():
+    torch.manual_seed(0)
+    ours, ref = tilefuse.nn.RMSNorm(70, eps=1e-5, device=DEV), torch.nn.RMSNorm(70, eps=1e-5, device=DEV)
+    ref.load_state_dict(ours.state_dict())
+    x, target = _r(33, 70), _r(33, 70, seed=9)
+    for mod in (ours, ref):
+        with torch.autocast(DEV, dtype=BF16):
+            loss = F.mse_loss(mod(x).float(), target)
+        loss.backward()
+    assert ours.weight.grad.dtype == torch.float32
+    assert_close(ours.weight.grad, ref.weight.grad.double(), REL_L2_BOUND[BF16], "RMSNorm dweight under autocast")
+
+
+def test_compiled_under_autocast():
+    x, w, b = _r(33, 70), _r(45, 70, seed=1, scale=70 ** -0.5), _r(45, seed=2)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: tilefuse.layer_norm(tilefuse.linear(x, w, b, "gelu"), (45,)), fullgraph=True,
+                       backend="inductor" if ON_GPU else "aot_eager")
+    with torch.autocast(DEV, dtype=BF16):
+        got = fn(x)
+        want = F.layer_norm(F.gelu(F.linear(x, w, b)), (45,))
+    assert got.dtype == want.dtype
+    assert_close(got, want.double(), REL_L2_BOUND[BF16], "compiled under autocast")
