@@ -99,20 +99,13 @@ def _norm_impl(x, residual, weight, bias, normalized_shape, eps, is_rms):
         _dispatch.record_reference("rms_norm" if is_rms else "layer_norm", path)
         weight, bias = _as_compute_params(x, weight), _as_compute_params(x, bias)
         y, h, stats = _empty_outputs(x, normalized_shape, residual is not None)
-        hx = x if residual is None else x + residual
+        hx = x if residual is None else x + residual  # in x's dtype, as the kernel stores h
         if residual is not None:
             h.copy_(hx)
-        hf = hx.reshape(-1, n).float() if n else hx.reshape(0, 0).float()
         if stats.shape[1]:
-            mean = torch.zeros_like(hf[:, 0]) if is_rms else hf.mean(dim=1)
-            var = (hf * hf).mean(dim=1) if is_rms else hf.var(dim=1, unbiased=False)
-            stats.copy_(torch.stack([mean, torch.rsqrt(var + eps)]))
-        if is_rms:
-            y.copy_(reference.rms_norm(x, normalized_shape, weight, eps, residual=residual)[0]
-                    if residual is not None else reference.rms_norm(x, normalized_shape, weight, eps))
-        else:
-            y.copy_(reference.layer_norm(x, normalized_shape, weight, bias, eps, residual=residual)[0]
-                    if residual is not None else reference.layer_norm(x, normalized_shape, weight, bias, eps))
+            stats.copy_(reference.row_statistics(hx, n, eps, is_rms))
+        y.copy_(reference.rms_norm(hx, normalized_shape, weight, eps) if is_rms
+                else reference.layer_norm(hx, normalized_shape, weight, bias, eps))
         return y, h, stats
     with _dispatch.on_device(x):
         out = _norms_launch().forward(_rows(x, n), None if residual is None else _rows(residual, n), weight, bias,
@@ -157,7 +150,7 @@ def _norm_backward_impl(dy, dh, h, weight, stats, normalized_shape, is_rms, need
     path = runtime.execution_path(h)
     if path == runtime.REFERENCE or h.numel() == 0:
         _dispatch.record_reference("rms_norm_backward" if is_rms else "layer_norm_backward", path)
-        return _reference_norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db)
+        return reference.norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db)
     with _dispatch.on_device(h):
         dx, parts = _norms_launch().backward(_rows(dy, n), _rows(h, n), weight, stats,
                                              None if dh is None else _rows(dh, n), is_rms, need_dw, need_db, path)
@@ -165,37 +158,6 @@ def _norm_backward_impl(dy, dh, h, weight, stats, normalized_shape, is_rms, need
     count = int(need_dw) + int(need_db)
     sums = parts.sum(dim=1) if count else torch.empty((0, n), dtype=torch.float32, device=h.device)
     return dx.view(h.shape), sums.view(count, *normalized_shape)
-
-
-def _reference_norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
-    """The same gradients in plain PyTorch (reference path, empty inputs), in closed form from the saved
-    statistics, so they hold inside the registered op too (where autograd does not run): with
-    x_hat = (h - mean) * rstd and g = dy * weight, dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
-    (RMSNorm: mean = 0 and no mean(g) term), dweight = sum(dy * x_hat), dbias = sum(dy)."""
-    n = math.prod(normalized_shape)
-    count = int(need_dw) + int(need_db)
-    if not (n and h.numel()):
-        dx = torch.zeros_like(h) if dh is None else dh.clone()
-        return dx.contiguous(), torch.zeros((count, *normalized_shape), dtype=torch.float32, device=h.device)
-    hf = h.float().reshape(-1, n)
-    dyf = dy.float().reshape(-1, n)
-    rstd = stats[1].float().reshape(-1, 1)
-    x_hat = hf * rstd if is_rms else (hf - stats[0].float().reshape(-1, 1)) * rstd
-    g = dyf * weight.float().reshape(1, n) if weight is not None else dyf
-    inner = g - x_hat * (g * x_hat).mean(dim=1, keepdim=True)
-    if not is_rms:
-        inner = inner - g.mean(dim=1, keepdim=True)
-    dx = (rstd * inner).to(h.dtype).reshape(h.shape)
-    if dh is not None:
-        dx = dx + dh
-    sums = []
-    if need_dw:
-        sums.append((dyf * x_hat).sum(0))
-    if need_db:
-        sums.append(dyf.sum(0))
-    out = torch.stack(sums).reshape(count, *normalized_shape) if sums else \
-        torch.empty((0, *normalized_shape), dtype=torch.float32, device=h.device)
-    return dx.contiguous(), out
 
 
 @torch.library.custom_op("tilefuse::norm_backward", mutates_args=())
@@ -264,10 +226,18 @@ _rms_norm_op.register_autograd(_norm_backward, setup_context=lambda ctx, inputs,
     ctx, inputs, output, True))
 
 
+def _probe_layer_norm(t):
+    return torch.nn.functional.layer_norm(t, t.shape[-1:])
+
+
+def _probe_rms_norm(t):
+    return torch.nn.functional.rms_norm(t, t.shape[-1:])
+
+
 def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
     if isinstance(x, torch.Tensor) and x.is_floating_point():
-        cast = _dispatch.autocast_like("rms_norm" if is_rms else "layer_norm", x, lambda t: (
-            torch.nn.functional.rms_norm(t, (2,)) if is_rms else torch.nn.functional.layer_norm(t, (2,))))
+        cast = _dispatch.autocast_like("rms_norm" if is_rms else "layer_norm", x,
+                                       _probe_rms_norm if is_rms else _probe_layer_norm)
         if cast is not None and cast != x.dtype:  # torch's autocast runs this norm in another dtype
             x, residual = _dispatch.cast_floats(cast, x, residual)
     shape = _check_norm_args(x, normalized_shape, weight, bias, eps, residual)
@@ -359,7 +329,9 @@ def _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, 
                                                    activation=activation))
     from tilefuse.ops.linear import _gemm_launch
     with _dispatch.on_device(x):
-        return _gemm_launch().layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, norm == "rms", activation, path)
+        y2d = _gemm_launch().layer_norm_linear(_rows(x, K), norm_weight, norm_bias, weight, bias, eps, norm == "rms",
+                                               activation, path)
+    return y2d.view(*x.shape[:-1], N)
 
 
 def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,

@@ -13,6 +13,7 @@ from tilefuse import runtime
 from tilefuse.ops import _dispatch
 from tilefuse.ops._checks import check_tensor
 from tilefuse.reference.softmax import softmax as reference_softmax
+from tilefuse.reference.softmax import softmax_backward as reference_softmax_backward
 
 ALGORITHMS = ("auto", "online", "two_pass")
 
@@ -54,8 +55,7 @@ def _softmax_backward_impl(y, dy, dim):
     path = runtime.execution_path(y)
     if path == runtime.REFERENCE or y.numel() == 0:
         _dispatch.record_reference("softmax_backward", path)
-        yf, dyf = y.float(), dy.float()
-        return torch.empty_like(y).copy_(yf * (dyf - (yf * dyf).sum(dim, keepdim=True)))
+        return torch.empty_like(y).copy_(reference_softmax_backward(y.float(), dy.float(), dim))
     with _dispatch.on_device(y):
         return _softmax_launch().backward(y, dy, dim, path)
 
@@ -95,6 +95,10 @@ def _backward(ctx, dy):
 _softmax_op.register_autograd(_backward, setup_context=_setup)
 
 
+def _probe_softmax(t):
+    return torch.softmax(t, -1)
+
+
 def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch.Tensor:
     """``torch.softmax(x, dim)`` by Triton kernels, differentiable (backward in one kernel too).
 
@@ -110,7 +114,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
     otherwise.
     """
     if isinstance(x, torch.Tensor) and x.is_floating_point():
-        cast = _dispatch.autocast_like("softmax", x, lambda t: torch.softmax(t, -1))
+        cast = _dispatch.autocast_like("softmax", x, _probe_softmax)
         if cast is not None and cast != x.dtype:  # torch's autocast runs softmax in another dtype
             x = x.to(cast)
     dim = _check_softmax_args(x, dim, algorithm)

@@ -61,20 +61,12 @@ def _attend(q, k, v, scale, vis, mask):
 
 def attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, deterministic=False):
     """tilefuse.attention's semantics: GQA by repeat_interleave, bottom-right aligned causal/window."""
-    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0
-    scale = d ** -0.5 if scale is None else scale
-    vis = visibility(n_q, n_k, n_k - n_q, left, right, q.device)
-    out, lse = _attend(q, k, v, scale, vis, None)
-    if return_lse:  # fp32 as the kernel returns it (kept fp64 when the reference runs in fp64)
-        return out, (lse if lse.dtype == torch.float64 else lse.float())
-    return out
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = attend(q, k, v, None, scale, k.shape[-2] - q.shape[-2], left, right)
+    return (out, lse) if return_lse else out
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -105,4 +97,5 @@ def attend(q, k, v, mask, scale, pos_offset, left, right):
         v = v.repeat_interleave(group, dim=1)
     vis = visibility(q.shape[-2], k.shape[-2], pos_offset, left, right, q.device)
     out, lse = _attend(q, k, v, scale, vis, mask)
-    return out, lse.float()
+    # lse in fp32 as the kernel returns it (kept fp64 when the reference runs in fp64)
+    return out, (lse if lse.dtype == torch.float64 else lse.float())

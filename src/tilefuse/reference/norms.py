@@ -1,6 +1,8 @@
 """Reference for the normalization family: F.layer_norm / F.rms_norm, the residual add as its own
 kernel, and LayerNorm -> Linear as two calls (the normalized activations round-trip through HBM)."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -36,3 +38,44 @@ def layer_norm_linear(x, norm_weight, norm_bias, weight, bias=None, *, eps=None,
     else:
         xn = F.layer_norm(x, (K,), norm_weight, norm_bias, 1e-5 if eps is None else eps)
     return _activation(F.linear(xn, weight, bias), activation)
+
+
+def row_statistics(h, n, eps, is_rms):
+    """fp32 [2, M]: the mean (0 for RMSNorm) and 1/sqrt(var + eps) of each row of n trailing elements."""
+    hf = h.reshape(-1, n).float()
+    mean = torch.zeros_like(hf[:, 0]) if is_rms else hf.mean(dim=1)
+    var = (hf * hf).mean(dim=1) if is_rms else hf.var(dim=1, unbiased=False)
+    return torch.stack([mean, torch.rsqrt(var + eps)])
+
+
+def norm_backward(dy, dh, h, weight, stats, normalized_shape, is_rms, need_dw, need_db):
+    """The norms' backward given the forward's statistics (``stats`` fp32 [2, M]: mean, rstd), in closed
+    form, so it also runs where autograd does not (inside tilefuse's registered op). Returns (dx in h's
+    shape and dtype, plus ``dh`` when given; fp32 [n, *normalized_shape] holding dweight then dbias, those
+    asked for). With
+    x_hat = (h - mean) * rstd and g = dy * weight, dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
+    (RMSNorm: mean = 0 and no mean(g) term), dweight = sum(dy * x_hat), dbias = sum(dy)."""
+    n = math.prod(normalized_shape)
+    count = int(need_dw) + int(need_db)
+    if not (n and h.numel()):
+        dx = torch.zeros_like(h) if dh is None else dh.clone()
+        return dx.contiguous(), torch.zeros((count, *normalized_shape), dtype=torch.float32, device=h.device)
+    hf = h.float().reshape(-1, n)
+    dyf = dy.float().reshape(-1, n)
+    rstd = stats[1].float().reshape(-1, 1)
+    x_hat = hf * rstd if is_rms else (hf - stats[0].float().reshape(-1, 1)) * rstd
+    g = dyf * weight.float().reshape(1, n) if weight is not None else dyf
+    inner = g - x_hat * (g * x_hat).mean(dim=1, keepdim=True)
+    if not is_rms:
+        inner = inner - g.mean(dim=1, keepdim=True)
+    dx = (rstd * inner).to(h.dtype).reshape(h.shape)
+    if dh is not None:
+        dx = dx + dh
+    sums = []
+    if need_dw:
+        sums.append((dyf * x_hat).sum(0))
+    if need_db:
+        sums.append(dyf.sum(0))
+    out = torch.stack(sums).reshape(count, *normalized_shape) if sums else \
+        torch.empty((0, *normalized_shape), dtype=torch.float32, device=h.device)
+    return dx.contiguous(), out

@@ -274,39 +274,30 @@ def _launch_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None,
     return linear_tma_tuned.launched_config()
 
 
-def layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, path) -> torch.Tensor:
-    """``act(norm(x) @ weight^T + bias)``; x [..., K] with K > 0, norm parameters [K] dense or None."""
-    precision = precision_for(x.dtype, x.is_cuda)
-    return _NORM_LINEAR.run((x, norm_weight, norm_bias, weight, bias), (eps, is_rms, activation, precision),
-                            lambda: _layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, is_rms,
+def layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, path) -> torch.Tensor:
+    """``act(norm(x) @ weight^T + bias)`` for rows x2d [M, K] (unit column stride, M, K > 0); norm
+    parameters [K] dense or None. Returns y [M, N] contiguous."""
+    precision = precision_for(x2d.dtype, x2d.is_cuda)
+    return _NORM_LINEAR.run((x2d, norm_weight, norm_bias, weight, bias), (eps, is_rms, activation, precision),
+                            lambda: _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms,
                                                        activation, precision, path))
 
 
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[M, n] view with unit column stride; copies only when no such view exists."""
-    t2d = t.reshape(-1, n)
-    if n > 1 and t2d.stride(1) != 1:
-        t2d = t2d.contiguous()
-    return t2d
-
-
-def _layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path):
-    N, K = weight.shape
-    M = math.prod(x.shape[:-1])
-    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
-    x2d = _rows(x, K)
-    y2d = y.view(M, N)
-    if path == runtime.COMPILED and x.dtype != torch.float32 and tma_supported(x2d, weight, y2d):
+def _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path):
+    M = x2d.shape[0]
+    N = weight.shape[0]
+    y2d = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
+    if path == runtime.COMPILED and x2d.dtype != torch.float32 and tma_supported(x2d, weight, y2d):
         cfg = _norm_linear_tma(x2d, is_rms, eps, norm_weight, norm_bias, weight, bias, y2d, activation)
         launches.record("layer_norm_linear", path, "tma, norm in epilogue", lambda: tuning.describe(cfg))
-        return y
+        return y2d
     from tilefuse.kernels.norms.launch import norm_statistics
 
     mean, rstd = norm_statistics(x2d, eps, is_rms, interpret=path == runtime.INTERPRETER)
     cfg = _launch_norm_prologue(x2d, mean, rstd, norm_weight, norm_bias, weight, bias, y2d, is_rms, activation,
                                 precision, interpret=path == runtime.INTERPRETER)
     launches.record("layer_norm_linear", path, "norm in prologue", lambda: tuning.describe(cfg))
-    return y
+    return y2d
 
 
 def fold_weight(w, gamma, beta, b, is_rms: bool):
