@@ -243,12 +243,14 @@ def test_norm_linear_bad_input_raises(kwargs, exc, match):
         tilefuse.layer_norm_linear(x, nw, nb, w, b, **args)
 
 
-def test_norm_linear_refuses_grad(device):
+def test_norm_linear_grad_flows_only_where_asked(device):
     x = _rand(3, 4, device=device).requires_grad_()
-    with pytest.raises(NotImplementedError, match="no backward yet"):
-        tilefuse.layer_norm_linear(x, None, None, _rand(5, 4, device=device))
+    w = _rand(5, 4, device=device)
+    y = tilefuse.layer_norm_linear(x, None, None, w)
+    (dx,) = torch.autograd.grad(y.square().sum(), x)
+    assert dx.shape == x.shape and dx.abs().sum() > 0
     with torch.no_grad():
-        tilefuse.layer_norm_linear(x, None, None, _rand(5, 4, device=device))
+        assert not tilefuse.layer_norm_linear(x, None, None, w).requires_grad
 
 
 @pytest.mark.parametrize("norm,affine,has_bias,activation", [

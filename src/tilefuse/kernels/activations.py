@@ -67,3 +67,58 @@ def apply_gated(gate, up, ACTIVATION: tl.constexpr):
         tl.static_assert(ACTIVATION == "geglu_tanh", "unknown gated activation")
         gate = gelu_tanh(gate)
     return gate * up
+
+
+# ---- derivatives, for the backward GEMMs' prologues ---------------------------------------------------
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1/sqrt(2*pi), the normal density's constant
+
+
+@triton.jit
+def gelu_erf_grad(x):
+    """d/dx x*Phi(x) = Phi(x) + x*phi(x)."""
+    cdf = 0.5 * (1.0 + tl.erf(x * _SQRT1_2))
+    return cdf + x * _INV_SQRT_2PI * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def gelu_tanh_grad(x):
+    """d/dx 0.5*x*(1 + tanh(u)), u = sqrt(2/pi)*(x + c*x^3): 0.5*(1 + t) + 0.5*x*(1 - t^2)*u'."""
+    x2 = x * x
+    t = tanh(_SQRT2_OVER_PI * (x + _GELU_TANH_C * x2 * x))
+    du = _SQRT2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * x2)
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+
+
+@triton.jit
+def silu_grad(x):
+    """d/dx x*sigmoid(x) = s*(1 + x*(1 - s))."""
+    s = tl.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+@triton.jit
+def activation_grad(dy, pre, ACTIVATION: tl.constexpr):
+    """``dy * act'(pre)`` on fp32 tiles (``dy`` itself for "none"). relu passes dy where pre > 0 and 0
+    elsewhere, as torch's threshold backward does (on the output: NaN pre passes dy through)."""
+    if ACTIVATION == "gelu":
+        dy = dy * gelu_erf_grad(pre)
+    elif ACTIVATION == "gelu_tanh":
+        dy = dy * gelu_tanh_grad(pre)
+    elif ACTIVATION == "relu":
+        dy = tl.where(pre <= 0.0, 0.0, dy)
+    elif ACTIVATION == "silu":
+        dy = dy * silu_grad(pre)
+    return dy
+
+
+@triton.jit
+def gated_grads(dy, gate, up, ACTIVATION: tl.constexpr):
+    """(d gate, d up) of ``act(gate) * up`` on fp32 tiles: (dy * up * act'(gate), dy * act(gate))."""
+    if ACTIVATION == "swiglu":
+        act, grad = silu(gate), silu_grad(gate)
+    elif ACTIVATION == "geglu":
+        act, grad = gelu_erf(gate), gelu_erf_grad(gate)
+    else:
+        tl.static_assert(ACTIVATION == "geglu_tanh", "unknown gated activation")
+        act, grad = gelu_tanh(gate), gelu_tanh_grad(gate)
+    return dy * up * grad, dy * act

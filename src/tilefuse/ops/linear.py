@@ -1,6 +1,8 @@
-"""tilefuse.linear: act(x @ weight^T + bias) in one kernel (forward), plain and gated (GLU).
+"""tilefuse.linear: act(x @ weight^T + bias) in one kernel, plain and gated (GLU), with autograd.
 
-Registered as the custom ops ``tilefuse::linear`` and ``tilefuse::gated_linear`` (see ``_dispatch``).
+Registered as the custom ops ``tilefuse::linear`` and ``tilefuse::gated_linear`` (see ``_dispatch``),
+whose autograd formulas call ``tilefuse::linear_backward`` / ``tilefuse::gated_linear_backward``. In
+training the forward ops also return the pre-activation(s) (``save_pre``), which the backward reads.
 """
 from __future__ import annotations
 
@@ -11,8 +13,7 @@ import torch
 from tilefuse import reference, runtime
 from tilefuse.constants import ACTIVATIONS, GATED_ACTIVATIONS
 from tilefuse.ops import _dispatch
-from tilefuse.ops._checks import (check_no_grad_needed, check_same_device, check_same_dtype,
-                                  check_tensor, dense)
+from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, dense, grad_needed
 
 
 def _split_gated(weight, bias, activation):
@@ -83,46 +84,190 @@ def _empty(x, n):
     return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
 
 
+def _nothing(x):
+    """The placeholder for an output a call does not produce (a saved pre-activation not asked for)."""
+    return x.new_empty((0,))
+
+
+# ---- forward ops: y, and in training the pre-activation(s) the backward reads ------------------------
 @torch.library.custom_op("tilefuse::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               activation: Optional[str]) -> torch.Tensor:
-    return _linear_impl(x, weight, bias, activation)
+               activation: Optional[str], save_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _linear_impl(x, weight, bias, activation, save_pre)
 
 
 @_linear_op.register_fake
-def _(x, weight, bias, activation):
-    return _empty(x, weight.shape[0])
+def _(x, weight, bias, activation, save_pre):
+    return _empty(x, weight.shape[0]), (_empty(x, weight.shape[0]) if save_pre else _nothing(x))
 
 
-def _linear_impl(x, weight, bias, activation):
+def _linear_impl(x, weight, bias, activation, save_pre):
+    """(y, pre): pre the pre-activation in y's layout with ``save_pre``, else an empty placeholder."""
     path = runtime.execution_path(x)
     N, K = weight.shape
     if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
         _dispatch.record_reference("linear", path)
-        return _empty(x, N).copy_(reference.linear(x, weight, bias, activation))
+        pre = _empty(x, N).copy_(reference.linear(x, weight, bias))
+        y = _empty(x, N).copy_(reference.activation(pre, activation))
+        return y, (pre if save_pre else _nothing(x))
     with _dispatch.on_device(x):
-        return _gemm_launch().linear(x, weight, bias, activation, path)
+        out = _gemm_launch().linear(x, weight, bias, activation, path, save_pre)
+    return out if save_pre else (out, _nothing(x))
 
 
 @torch.library.custom_op("tilefuse::gated_linear", mutates_args=())
 def _gated_linear_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: Optional[torch.Tensor],
-                     b_up: Optional[torch.Tensor], activation: str) -> torch.Tensor:
-    return _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation)
+                     b_up: Optional[torch.Tensor], activation: str,
+                     save_pre: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, save_pre)
 
 
 @_gated_linear_op.register_fake
-def _(x, w_gate, w_up, b_gate, b_up, activation):
-    return _empty(x, w_gate.shape[0])
+def _(x, w_gate, w_up, b_gate, b_up, activation, save_pre):
+    n = w_gate.shape[0]
+    saved = (_empty(x, n), _empty(x, n)) if save_pre else (_nothing(x), _nothing(x))
+    return (_empty(x, n), *saved)
 
 
-def _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation):
+def _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, save_pre):
+    """(y, gate, up): the two pre-activations with ``save_pre``, else empty placeholders."""
     path = runtime.execution_path(x)
     N, K = w_gate.shape
     if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
         _dispatch.record_reference("linear", path)
-        return _empty(x, N).copy_(reference.gated_linear(x, w_gate, w_up, b_gate, b_up, activation))
+        gate = _empty(x, N).copy_(reference.linear(x, w_gate, b_gate))
+        up = _empty(x, N).copy_(reference.linear(x, w_up, b_up))
+        y = _empty(x, N).copy_(reference.gate(gate, activation) * up)
+        return (y, gate, up) if save_pre else (y, _nothing(x), _nothing(x))
     with _dispatch.on_device(x):
-        return _gemm_launch().gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path)
+        out = _gemm_launch().gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path, save_pre)
+    return out if save_pre else (out, _nothing(x), _nothing(x))
+
+
+# ---- backward ops ------------------------------------------------------------------------------------
+def _backward_outputs(x, weights, need_dx, need_dw, need_db):
+    """Empty outputs of a backward op in its real layouts: (dx, dW..., db...); what is not asked for is
+    an empty placeholder (need_db alone still returns the dW the kernel makes with it)."""
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else _nothing(x)
+    dws = [torch.empty_like(w) if (need_dw or need_db) else _nothing(x) for w in weights]
+    dbs = [x.new_empty((w.shape[0],)) if need_db else _nothing(x) for w in weights]
+    return (dx, *dws, *dbs)
+
+
+def _linear_backward_impl(dy, x, weight, pre, activation, need_dx, need_dw, need_db):
+    path = runtime.execution_path(x)
+    N, K = weight.shape
+    if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
+        _dispatch.record_reference("linear_backward", path)
+        grads = reference.linear_backward(dy, x, weight, pre, activation)
+        return tuple(out.copy_(g) if out.numel() else out
+                     for out, g in zip(_backward_outputs(x, (weight,), need_dx, need_dw, need_db), grads))
+    with _dispatch.on_device(x):
+        return _gemm_launch().linear_backward(dy, x, weight, None, pre, None, activation, need_dx, need_dw, need_db,
+                                              path)
+
+
+@torch.library.custom_op("tilefuse::linear_backward", mutates_args=())
+def _linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pre: Optional[torch.Tensor],
+                        activation: Optional[str], need_dx: bool, need_dw: bool,
+                        need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _linear_backward_impl(dy, x, weight, pre, activation, need_dx, need_dw, need_db)
+
+
+@_linear_backward_op.register_fake
+def _(dy, x, weight, pre, activation, need_dx, need_dw, need_db):
+    return _backward_outputs(x, (weight,), need_dx, need_dw, need_db)
+
+
+def _gated_linear_backward_impl(dy, x, w_gate, w_up, gate, up, activation, need_dx, need_dw, need_db):
+    path = runtime.execution_path(x)
+    N, K = w_gate.shape
+    if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
+        _dispatch.record_reference("linear_backward", path)
+        grads = reference.gated_linear_backward(dy, x, w_gate, w_up, gate, up, activation)
+        return tuple(out.copy_(g) if out.numel() else out
+                     for out, g in zip(_backward_outputs(x, (w_gate, w_up), need_dx, need_dw, need_db), grads))
+    with _dispatch.on_device(x):
+        return _gemm_launch().linear_backward(dy, x, w_gate, w_up, gate, up, activation, need_dx, need_dw, need_db,
+                                              path)
+
+
+@torch.library.custom_op("tilefuse::gated_linear_backward", mutates_args=())
+def _gated_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                              gate: torch.Tensor, up: torch.Tensor, activation: str, need_dx: bool, need_dw: bool,
+                              need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+    return _gated_linear_backward_impl(dy, x, w_gate, w_up, gate, up, activation, need_dx, need_dw, need_db)
+
+
+@_gated_linear_backward_op.register_fake
+def _(dy, x, w_gate, w_up, gate, up, activation, need_dx, need_dw, need_db):
+    return _backward_outputs(x, (w_gate, w_up), need_dx, need_dw, need_db)
+
+
+def linear_grads(dy, x, weight, pre, activation, need_dx, need_dw, need_db):
+    """(dx, dW, db) of ``act(x @ W^T + b)`` by the backward kernels; ``pre`` the saved pre-activation
+    (None without an activation). Also layer_norm_linear's backward, with x its normalized input."""
+    if _dispatch.direct(dy, x, weight, pre):  # eager backward: no dispatcher round trip
+        return _linear_backward_impl(dy, x, weight, pre, activation, need_dx, need_dw, need_db)
+    return _linear_backward_op(dy, x, weight, pre, activation, need_dx, need_dw, need_db)
+
+
+def _missing_pre(what: str):
+    return RuntimeError(f"tilefuse.{what}: the backward needs the pre-activation, which this forward did not "
+                        "save (it ran without grad); call it with grad enabled to train")
+
+
+def _setup_linear(ctx, inputs, output):
+    x, weight, bias, activation, save_pre = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, weight, output[1] if activation is not None else None)
+    ctx.activation, ctx.has_bias, ctx.saved_pre = activation, bias is not None, save_pre
+
+
+def _linear_backward(ctx, dy, dpre):
+    x, weight, pre = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = ctx.has_bias and ctx.needs_input_grad[2]
+    if dy is None or not (need_dx or need_dw or need_db):
+        return None, None, None, None, None
+    if ctx.activation is not None and not ctx.saved_pre:
+        raise _missing_pre("linear")
+    dx, dw, db = linear_grads(dy, x, weight, pre, ctx.activation, need_dx, need_dw, need_db)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None)
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_setup_linear)
+
+
+def _setup_gated(ctx, inputs, output):
+    x, w_gate, w_up, b_gate, b_up, activation, save_pre = inputs
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, w_gate, w_up, output[1], output[2])
+    ctx.activation, ctx.has_bias, ctx.saved_pre = activation, (b_gate is not None, b_up is not None), save_pre
+
+
+def _gated_backward(ctx, dy, dgate, dup):
+    x, w_gate, w_up, gate, up = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    need_dx, need_dw = needs[0], needs[1] or needs[2]
+    need_db = (ctx.has_bias[0] and needs[3]) or (ctx.has_bias[1] and needs[4])
+    if dy is None or not (need_dx or need_dw or need_db):
+        return (None,) * 7
+    if not ctx.saved_pre:
+        raise _missing_pre("linear")
+    args = (dy, x, w_gate, w_up, gate, up, ctx.activation, need_dx, need_dw, need_db)
+    if _dispatch.direct(dy, x, w_gate, w_up, gate, up):
+        dx, dwg, dwu, dbg, dbu = _gated_linear_backward_impl(*args)
+    else:
+        dx, dwg, dwu, dbg, dbu = _gated_linear_backward_op(*args)
+    return (dx if need_dx else None, dwg if needs[1] else None, dwu if needs[2] else None,
+            dbg if ctx.has_bias[0] and needs[3] else None, dbu if ctx.has_bias[1] and needs[4] else None, None, None)
+
+
+_gated_linear_op.register_autograd(_gated_backward, setup_context=_setup_gated)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -134,8 +279,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
     activation: None, "gelu" (erf form, = ``F.gelu``), "gelu_tanh" (= ``F.gelu(approximate="tanh")``),
     "relu" or "silu". Returns ``[..., N]`` in ``x.dtype``. fp32 inputs use full-precision fp32 unless
     ``torch.backends.cuda.matmul.allow_tf32`` is set. CPU tensors run the Triton kernel under
-    ``TRITON_INTERPRET=1`` and the PyTorch reference otherwise. Forward only: with grad required it
-    raises ``NotImplementedError``.
+    ``TRITON_INTERPRET=1`` and the PyTorch reference otherwise.
+
+    Differentiable in x, weight and bias: the backward's two GEMMs (dx = g @ W, dW = g^T @ x with
+    db = sum g from the same tiles) make ``g = dy * act'(pre)`` as they load dy and the pre-activation,
+    so g never reaches HBM; the forward saves what eager saves (x, W and the pre-activation). dW and db
+    accumulate in fp32; a weight given as a transposed view gets its gradient in that layout.
 
     Gated (GLU) activations "swiglu", "geglu" (erf GELU), "geglu_tanh" return
     ``act(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up)`` of shape ``[..., N]``: ``weight`` is the pair
@@ -155,11 +304,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
             x, w_gate, w_up, b_gate, b_up = _dispatch.cast_floats(cast, x, w_gate, w_up, b_gate, b_up)
         check_linear_args(x, w_up, b_up, activation, name="W_up", bias_name="b_up")
         check_linear_args(x, w_gate, b_gate, activation, name="W_gate", bias_name="b_gate")
-        check_no_grad_needed("linear", x, w_gate, b_gate, w_up, b_up)
         b_gate, b_up = dense(b_gate), dense(b_up)
         if _dispatch.direct(x, w_gate, w_up, b_gate, b_up):
-            return _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation)
-        return _gated_linear_op(x, w_gate, w_up, b_gate, b_up, activation)
+            return _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, False)[0]
+        save_pre = grad_needed(x, w_gate, w_up, b_gate, b_up)
+        return _gated_linear_op(x, w_gate, w_up, b_gate, b_up, activation, save_pre)[0]
     if isinstance(weight, (tuple, list)):
         raise ValueError(f"a pair of weights needs a gated activation {GATED_ACTIVATIONS}, "
                          f"got activation={activation!r}")
@@ -167,8 +316,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
     if cast is not None:  # as torch's linear under autocast: the GEMM in the autocast dtype
         x, weight, bias = _dispatch.cast_floats(cast, x, weight, bias)
     check_linear_args(x, weight, bias, activation)
-    check_no_grad_needed("linear", x, weight, bias)
     bias = dense(bias)
     if _dispatch.direct(x, weight, bias):
-        return _linear_impl(x, weight, bias, activation)
-    return _linear_op(x, weight, bias, activation)
+        return _linear_impl(x, weight, bias, activation, False)[0]
+    save_pre = activation is not None and grad_needed(x, weight, bias)
+    return _linear_op(x, weight, bias, activation, save_pre)[0]

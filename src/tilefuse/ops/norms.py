@@ -1,5 +1,6 @@
 """tilefuse.layer_norm / rms_norm (forward + backward, optional fused residual add) and
-tilefuse.layer_norm_linear (the normalization fused into the GEMM, forward only).
+tilefuse.layer_norm_linear (the normalization fused into the GEMM; its backward recomputes the
+normalized x with the norm kernel, runs the GEMM backward on it, then the norm's backward).
 
 Registered as the custom ops ``tilefuse::layer_norm``, ``tilefuse::rms_norm`` (with autograd through
 ``tilefuse::norm_backward``) and ``tilefuse::layer_norm_linear``; see ``_dispatch`` for the path a call
@@ -18,8 +19,9 @@ import torch
 from tilefuse import runtime
 from tilefuse.constants import ACTIVATIONS
 from tilefuse.ops import _dispatch
-from tilefuse.ops._checks import check_no_grad_needed, check_same_device, check_same_dtype, check_tensor, dense
+from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, dense, grad_needed
 from tilefuse.ops.linear import check_linear_args
+from tilefuse.reference.linear import activation as reference_activation
 from tilefuse.reference import norms as reference
 
 LAYER_NORM_EPS = 1e-5
@@ -309,29 +311,88 @@ def _check_norm_linear_args(x, norm_weight, norm_bias, weight, bias, eps, norm, 
 @torch.library.custom_op("tilefuse::layer_norm_linear", mutates_args=())
 def _layer_norm_linear_op(x: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
                           weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, norm: str,
-                          activation: Optional[str]) -> torch.Tensor:
-    return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation)
+                          activation: Optional[str], save_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre)
 
 
 @_layer_norm_linear_op.register_fake
-def _(x, norm_weight, norm_bias, weight, bias, eps, norm, activation):
-    return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+def _(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre):
+    shape = (*x.shape[:-1], weight.shape[0])
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    return y, (torch.empty_like(y) if save_pre else x.new_empty((0,)))
 
 
-def _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation):
+def _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre):
+    """(y, pre): pre the pre-activation in y's layout with ``save_pre``, else an empty placeholder."""
     path = runtime.execution_path(x)
     N, K = weight.shape
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
         _dispatch.record_reference("layer_norm_linear", path)
         norm_weight, norm_bias = _as_compute_params(x, norm_weight), _as_compute_params(x, norm_bias)
-        return y.copy_(reference.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps=eps, norm=norm,
-                                                   activation=activation))
+        pre = torch.empty_like(y).copy_(reference.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps=eps,
+                                                                    norm=norm, activation=None))
+        y.copy_(reference_activation(pre, activation))
+        return y, (pre if save_pre else x.new_empty((0,)))
     from tilefuse.ops.linear import _gemm_launch
     with _dispatch.on_device(x):
-        y2d = _gemm_launch().layer_norm_linear(_rows(x, K), norm_weight, norm_bias, weight, bias, eps, norm == "rms",
-                                               activation, path)
-    return y2d.view(*x.shape[:-1], N)
+        out = _gemm_launch().layer_norm_linear(_rows(x, K), norm_weight, norm_bias, weight, bias, eps, norm == "rms",
+                                               activation, path, save_pre)
+    y2d, pre2d = out if save_pre else (out, None)
+    return y2d.view(*x.shape[:-1], N), (pre2d.view(*x.shape[:-1], N) if save_pre else x.new_empty((0,)))
+
+
+def _setup_norm_linear(ctx, inputs, output):
+    x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, norm_weight, norm_bias, weight, output[1] if activation is not None else None)
+    ctx.eps, ctx.norm, ctx.activation, ctx.saved_pre = eps, norm, activation, save_pre
+    ctx.has = (norm_weight is not None, norm_bias is not None, bias is not None)
+    ctx.param_dtypes = (None if norm_weight is None else norm_weight.dtype,
+                        None if norm_bias is None else norm_bias.dtype)
+
+
+def _norm_linear_backward(ctx, dy, dpre):
+    """The GEMM's backward on the normalized x (recomputed here by the norm kernel with its statistics,
+    rather than saved by the forward), then the norm's backward from d(normalized x)."""
+    x, norm_weight, norm_bias, weight, pre = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    has_nw, has_nb, has_b = ctx.has
+    need_dx, need_dnw, need_dnb = needs[0], has_nw and needs[1], has_nb and needs[2]
+    need_dw, need_db = needs[3], has_b and needs[4]
+    need_dxn = need_dx or need_dnw or need_dnb
+    if dy is None or not (need_dxn or need_dw or need_db):
+        return (None,) * 9
+    if ctx.activation is not None and not ctx.saved_pre:
+        raise RuntimeError("tilefuse.layer_norm_linear: the backward needs the pre-activation, which this forward "
+                           "did not save (it ran without grad); call it with grad enabled to train")
+    from tilefuse.ops.linear import linear_grads
+
+    K = x.shape[-1]
+    is_rms = ctx.norm == "rms"
+    if _dispatch.direct(x, norm_weight, norm_bias):
+        xn, _, stats = _norm_impl(x, None, norm_weight, None if is_rms else norm_bias, (K,), ctx.eps, is_rms)
+    elif is_rms:
+        xn, _, stats = _rms_norm_op(x, None, norm_weight, [K], ctx.eps)
+    else:
+        xn, _, stats = _layer_norm_op(x, None, norm_weight, norm_bias, [K], ctx.eps)
+    dxn, dw, db = linear_grads(dy, xn, weight, pre, ctx.activation, need_dxn, need_dw, need_db)
+    dx = dnw = dnb = None
+    if need_dxn:
+        if _dispatch.direct(dxn, x, norm_weight, stats):
+            dx, sums = _norm_backward_impl(dxn, None, x, norm_weight, stats, (K,), is_rms, need_dnw, need_dnb)
+        else:
+            dx, sums = _norm_backward_op(dxn, None, x, norm_weight, stats, [K], is_rms, need_dnw, need_dnb)
+        if need_dnw:
+            dnw = sums[0].to(ctx.param_dtypes[0])
+        if need_dnb:
+            dnb = sums[int(need_dnw)].to(ctx.param_dtypes[1])
+    return (dx if need_dx else None, dnw, dnb, dw if need_dw else None, db if need_db else None,
+            None, None, None, None)
+
+
+_layer_norm_linear_op.register_autograd(_norm_linear_backward, setup_context=_setup_norm_linear)
 
 
 def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
@@ -345,7 +406,10 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
     ``rstd * (x @ W'^T - mean * colsum(W')) + (b + W @ beta)`` in its epilogue. Elsewhere a pre-pass
     writes mean/rstd per row (8 bytes) and the GEMM normalizes each x tile in registers (its prologue).
     ``norm`` is "layer" or "rms" (then ``norm_bias`` is ignored); ``eps`` None is 1e-5 for layer and
-    ``torch.finfo(x.dtype).eps`` for rms. Forward only. x: ``[..., K]``; weight: ``[N, K]``; returns
+    ``torch.finfo(x.dtype).eps`` for rms. Differentiable in every tensor: the backward recomputes
+    norm(x) (one read of x, one write and read of the normalized rows: the bytes eager spends saving it),
+    runs the linear backward on it (act' fused, as :func:`tilefuse.linear`) and then the norm's backward.
+    x: ``[..., K]``; weight: ``[N, K]``; returns
     ``[..., N]``.
     """
     cast = _dispatch.autocast_dtype(x) if isinstance(x, torch.Tensor) else None
@@ -355,10 +419,10 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
     norm_weight, norm_bias, bias = dense(norm_weight), dense(norm_bias), dense(bias)
     if norm == "rms":
         norm_bias = None
-    check_no_grad_needed("layer_norm_linear", x, norm_weight, norm_bias, weight, bias)
     if eps is None:
         eps = torch.finfo(x.dtype).eps if norm == "rms" else LAYER_NORM_EPS
     eps = float(eps)
     if _dispatch.direct(x, norm_weight, norm_bias, weight, bias):
-        return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation)
-    return _layer_norm_linear_op(x, norm_weight, norm_bias, weight, bias, eps, norm, activation)
+        return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, False)[0]
+    save_pre = activation is not None and grad_needed(x, norm_weight, norm_bias, weight, bias)
+    return _layer_norm_linear_op(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre)[0]

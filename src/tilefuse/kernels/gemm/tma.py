@@ -33,6 +33,7 @@ def linear_tma_kernel(
     # Gated: the "up" weight [N, K] and its bias. NORM: bu_ptr holds the folded weight's column sums
     # (fp32 [N], LayerNorm only). Otherwise any valid pointer.
     wu_ptr, bu_ptr,
+    pre_ptr, preu_ptr,  # SAVE_PRE only: the pre-activation [M, N] (gated: gate and up), y's row stride
     M, N, K,
     M_BUCKET,  # autotune key only
     stride_xm, stride_wn, stride_wun, stride_ym,
@@ -41,6 +42,7 @@ def linear_tma_kernel(
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     NORM: tl.constexpr,  # 0: none; 1: LayerNorm (mean and rstd); 2: RMSNorm (rstd)
+    SAVE_PRE: tl.constexpr,  # training: also store the pre-activation(s) the backward reads
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -55,12 +57,11 @@ def linear_tma_kernel(
     if GATED:
         wu_desc = tl.make_tensor_descriptor(wu_ptr, shape=[N, K], strides=[stride_wun, 1],
                                             block_shape=[BLOCK_N, BLOCK_K])
-    if EPILOGUE_SUBTILE:
-        y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N // 2])
-    else:
-        y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N])
+    y_desc = _output_descriptor(y_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
+    if SAVE_PRE:  # y's layout: pre-activations are allocated like y
+        pre_desc = _output_descriptor(pre_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
+        if GATED:
+            preu_desc = _output_descriptor(preu_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
 
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -126,23 +127,46 @@ def linear_tma_kernel(
         if EPILOGUE_SUBTILE:
             acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             up_lo, up_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            out_lo = _epilogue(acc_lo, up_lo, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS, ACTIVATION, GATED,
-                               NORM, BLOCK_N // 2)
-            y_desc.store([off_m, off_n], out_lo.to(out_dtype))
-            out_hi = _epilogue(acc_hi, up_hi, b_ptr, bu_ptr, mean, rstd, off_n + BLOCK_N // 2, N, HAS_BIAS,
-                               ACTIVATION, GATED, NORM, BLOCK_N // 2)
-            y_desc.store([off_m, off_n + BLOCK_N // 2], out_hi.to(out_dtype))
+            pre, pre_up = _pre_activation(acc_lo, up_lo, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS, GATED,
+                                          NORM, BLOCK_N // 2)
+            if SAVE_PRE:
+                pre, pre_up = _rounded(pre, pre_up, out_dtype, GATED)
+                pre_desc.store([off_m, off_n], pre.to(out_dtype))
+                if GATED:
+                    preu_desc.store([off_m, off_n], pre_up.to(out_dtype))
+            y_desc.store([off_m, off_n], _activate(pre, pre_up, ACTIVATION, GATED).to(out_dtype))
+            pre, pre_up = _pre_activation(acc_hi, up_hi, b_ptr, bu_ptr, mean, rstd, off_n + BLOCK_N // 2, N,
+                                          HAS_BIAS, GATED, NORM, BLOCK_N // 2)
+            if SAVE_PRE:
+                pre, pre_up = _rounded(pre, pre_up, out_dtype, GATED)
+                pre_desc.store([off_m, off_n + BLOCK_N // 2], pre.to(out_dtype))
+                if GATED:
+                    preu_desc.store([off_m, off_n + BLOCK_N // 2], pre_up.to(out_dtype))
+            y_desc.store([off_m, off_n + BLOCK_N // 2], _activate(pre, pre_up, ACTIVATION, GATED).to(out_dtype))
         else:
-            out = _epilogue(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS, ACTIVATION, GATED, NORM,
-                            BLOCK_N)
-            y_desc.store([off_m, off_n], out.to(out_dtype))
+            pre, pre_up = _pre_activation(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS, GATED, NORM,
+                                          BLOCK_N)
+            if SAVE_PRE:
+                pre, pre_up = _rounded(pre, pre_up, out_dtype, GATED)
+                pre_desc.store([off_m, off_n], pre.to(out_dtype))
+                if GATED:
+                    preu_desc.store([off_m, off_n], pre_up.to(out_dtype))
+            y_desc.store([off_m, off_n], _activate(pre, pre_up, ACTIVATION, GATED).to(out_dtype))
+
+@triton.jit
+def _output_descriptor(ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       EPILOGUE_SUBTILE: tl.constexpr):
+    """A store descriptor for an [M, N] output in tiles of BLOCK_M rows and BLOCK_N (subtiled: BLOCK_N/2)."""
+    if EPILOGUE_SUBTILE:
+        return tl.make_tensor_descriptor(ptr, shape=[M, N], strides=[stride_m, 1], block_shape=[BLOCK_M, BLOCK_N // 2])
+    return tl.make_tensor_descriptor(ptr, shape=[M, N], strides=[stride_m, 1], block_shape=[BLOCK_M, BLOCK_N])
 
 
 @triton.jit
-def _epilogue(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS: tl.constexpr,
-              ACTIVATION: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, WIDTH: tl.constexpr):
-    """(Row statistics,) bias + activation (or bias + GLU gate) on a [BLOCK_M, WIDTH] slice of the
-    accumulator(s). ``mean``/``rstd``: the rows' statistics under NORM (unused otherwise)."""
+def _pre_activation(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                    NORM: tl.constexpr, WIDTH: tl.constexpr):
+    """(Row statistics,) bias on a [BLOCK_M, WIDTH] slice of the accumulator(s): the pre-activation(s).
+    ``mean``/``rstd``: the rows' statistics under NORM (unused otherwise)."""
     offs_n = off_n + tl.arange(0, WIDTH)
     if NORM != 0:
         if NORM == 1:
@@ -154,6 +178,21 @@ def _epilogue(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS: tl.con
         acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up = acc_up + tl.load(bu_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return acc, acc_up
+
+
+@triton.jit
+def _rounded(pre, pre_up, out_dtype: tl.constexpr, GATED: tl.constexpr):
+    """The pre-activation(s) rounded to the output dtype, as eager saves them for the backward; the
+    activation then runs on the saved values, so y and its gradient agree."""
+    pre = pre.to(out_dtype).to(tl.float32)
     if GATED:
-        return apply_gated(acc, acc_up, ACTIVATION)
-    return apply_activation(acc, ACTIVATION)
+        pre_up = pre_up.to(out_dtype).to(tl.float32)
+    return pre, pre_up
+
+
+@triton.jit
+def _activate(pre, pre_up, ACTIVATION: tl.constexpr, GATED: tl.constexpr):
+    if GATED:
+        return apply_gated(pre, pre_up, ACTIVATION)
+    return apply_activation(pre, ACTIVATION)
