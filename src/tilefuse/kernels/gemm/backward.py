@@ -3,7 +3,8 @@ GEMMs' operand loads: g never reaches HBM.
 
 Two kernels, each a tiled GEMM whose A operand is made on chip from dy and the saved pre-activation:
 - ``grad_input_kernel``: dx[M, K] = g[M, N] @ W[N, K] (gated: g_gate @ W_gate + g_up @ W_up, one
-  accumulator). Program tile BLOCK_M x BLOCK_N over (M, K), the forward's N walked in BLOCK_K steps.
+  accumulator, the two products in two passes over N). Program tile BLOCK_M x BLOCK_N over (M, K), the
+  forward's N walked in BLOCK_K steps.
 - ``grad_weight_kernel``: dW[N, K] = g^T[N, M] @ x[M, K], and db[N] = sum_m g from the same g tiles (the
   programs of the first K column band store it). Program tile BLOCK_M x BLOCK_N over (N, K), M walked in
   BLOCK_K steps; gated: a second grid axis picks the branch (0: W_gate, b_gate; 1: W_up, b_up).
@@ -12,7 +13,8 @@ forward's config space. Accumulation in fp32 (dW and db too), one cast on store.
 HBM bytes (element size s, plain form): fused = dy and pre read by each kernel (4*M*N*s) + W, x read and
 dx, dW, db written ((2*N*K + 2*M*K + N)*s). Eager: the activation's backward reads dy and pre and writes g
 (3*M*N*s), both GEMMs read g (2*M*N*s) and the bias gradient reads it again (M*N*s): 2*M*N*s more.
-Gated: fused reads dy, gate, up in each kernel (6*M*N*s) against eager's ~13*M*N*s.
+Gated: fused reads dy, gate, up in each kernel and dy, gate again in grad_input's second pass (mostly
+from L2), against eager's ~13*M*N*s.
 Every edge is masked; any strides (x's rows at two strides, as the forward takes them).
 """
 from __future__ import annotations
@@ -58,24 +60,18 @@ def grad_input_kernel(
     for r0 in range(0, N, BLOCK_K):
         mask_r = (r0 + offs_r) < N
         mask_a = mask_m[:, None] & mask_r[None, :]
-        mask_b = mask_r[:, None] & mask_k[None, :]
         dy = tl.load(dy_ptrs, mask=mask_a, other=0.0).to(tl.float32)
-        if ACTIVATION != "none":
-            pre = tl.load(pre_ptrs, mask=mask_a, other=0.0).to(tl.float32)
         if GATED:
+            pre = tl.load(pre_ptrs, mask=mask_a, other=0.0).to(tl.float32)
             up = tl.load(up_ptrs, mask=mask_a, other=0.0).to(tl.float32)
-            g, g_up = gated_grads(dy, pre, up, ACTIVATION)
-            wu = tl.load(wu_ptrs, mask=mask_b, other=0.0)
-            if UPCAST_DOT:
-                wu = wu.to(tl.float32)
-            acc = tl.dot(g_up.to(op_dtype).to(wu.dtype), wu, acc, input_precision=INPUT_PRECISION)
-            wu_ptrs += BLOCK_K * stride_wun
+            g, _ = gated_grads(dy, pre, up, ACTIVATION)
             up_ptrs += BLOCK_K * stride_pn
         elif ACTIVATION != "none":
+            pre = tl.load(pre_ptrs, mask=mask_a, other=0.0).to(tl.float32)
             g = activation_grad(dy, pre, ACTIVATION)
         else:
             g = dy
-        w = tl.load(w_ptrs, mask=mask_b, other=0.0)
+        w = tl.load(w_ptrs, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
         if UPCAST_DOT:
             w = w.to(tl.float32)
         # g rounds to the operand dtype before the dot, as eager's g tensor does.
@@ -83,6 +79,24 @@ def grad_input_kernel(
         dy_ptrs += BLOCK_K * stride_dyn
         pre_ptrs += BLOCK_K * stride_pn
         w_ptrs += BLOCK_K * stride_wn
+    if GATED:
+        # The up branch in a second pass over N (dy and the gate re-read, from L2 mostly): one operand
+        # pipeline live at a time, where both in one loop spill on sm_90a.
+        dy_ptrs = dy_ptr + offs_m64[:, None] * stride_dym + offs_r[None, :] * stride_dyn
+        pre_ptrs = pre_ptr + offs_m64[:, None] * stride_pm + offs_r[None, :] * stride_pn
+        for r0 in range(0, N, BLOCK_K):
+            mask_r = (r0 + offs_r) < N
+            mask_a = mask_m[:, None] & mask_r[None, :]
+            dy = tl.load(dy_ptrs, mask=mask_a, other=0.0).to(tl.float32)
+            pre = tl.load(pre_ptrs, mask=mask_a, other=0.0).to(tl.float32)
+            _, g_up = gated_grads(dy, pre, pre, ACTIVATION)  # d up = dy * act(gate): up unused
+            wu = tl.load(wu_ptrs, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+            if UPCAST_DOT:
+                wu = wu.to(tl.float32)
+            acc = tl.dot(g_up.to(op_dtype).to(wu.dtype), wu, acc, input_precision=INPUT_PRECISION)
+            dy_ptrs += BLOCK_K * stride_dyn
+            pre_ptrs += BLOCK_K * stride_pn
+            wu_ptrs += BLOCK_K * stride_wun
 
     dx_ptrs = dx_ptr + offs_m64[:, None] * stride_dxm + offs_k[None, :] * stride_dxk
     tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :])

@@ -124,31 +124,33 @@ def prune_norm_linear_configs(configs, named_args, **kwargs):
 FOLD_BLOCK_N, FOLD_BLOCK_K, FOLD_WARPS = 8, 512, 4
 
 
-def backward_smem_bytes(bm: int, bn: int, bk: int, stages: int, elem_bytes: int, a_tiles: int, b_tiles: int,
+def backward_smem_bytes(bm: int, bn: int, bk: int, stages: int, elem_bytes: int, a_tiles: int,
                         tensor_cores: bool = True) -> int:
     """Shared memory of a backward GEMM's pipeline (backward.py): every loaded tile is staged, ``a_tiles``
-    of bm x bk (dy, and the saved pre-activation(s) the A operand is made from) and ``b_tiles`` of bk x bn
-    (the weight(s) or x); ``stages - 1`` buffers on the FMA path, as the forward's model."""
+    of bm x bk (dy, and the saved pre-activation(s) the A operand is made from) and one of bk x bn
+    (the weight or x); ``stages - 1`` buffers on the FMA path, as the forward's model."""
     buffers = stages if tensor_cores else stages - 1
-    return buffers * (a_tiles * bm * bk + b_tiles * bn * bk) * elem_bytes
+    return buffers * (a_tiles * bm * bk + bn * bk) * elem_bytes
 
 
 def prune_backward_configs(configs, named_args, **kwargs):
     """The backward GEMMs build their A operand in registers from one to three loaded tiles (dy, the
     pre-activation, gated: the up product) before the dot, so they hold more than the forward's main
-    loop: with an activation keep tiles of at most 128 x 128. Shared memory per ``backward_smem_bytes``
-    (grad_input gated stages two weight tiles). The operand size is dy's."""
+    loop: with an activation keep tiles of at most 128 x 128, gated at most 64 accumulator elements per
+    thread (sm_90a: 128 x 128 with 4 warps spills). Shared memory per ``backward_smem_bytes``. The
+    operand size is dy's."""
     dy = named_args.get("dy_ptr")
     elem = dy.element_size() if hasattr(dy, "element_size") else 4
     activation = kwargs.get("ACTIVATION", "none")
     gated = bool(kwargs.get("GATED"))
     a_tiles = 1 if activation == "none" else (3 if gated else 2)
-    b_tiles = 2 if gated and "w_ptr" in named_args else 1
     tensor_cores = not (elem == 4 and kwargs.get("INPUT_PRECISION", "ieee") == "ieee")
     kept = configs
     if activation != "none" or not tensor_cores:
         kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or configs
+    if gated:  # three fp32 operand tiles besides the accumulator: at most 64 accumulator elements per thread
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32 * c.num_warps] or kept
     fits = [c for c in kept
             if backward_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages,
-                                   elem, a_tiles, b_tiles, tensor_cores) <= SMEM_LIMIT]
+                                   elem, a_tiles, tensor_cores) <= SMEM_LIMIT]
     return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]

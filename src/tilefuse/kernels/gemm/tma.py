@@ -57,11 +57,15 @@ def linear_tma_kernel(
     if GATED:
         wu_desc = tl.make_tensor_descriptor(wu_ptr, shape=[N, K], strides=[stride_wun, 1],
                                             block_shape=[BLOCK_N, BLOCK_K])
-    y_desc = _output_descriptor(y_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
+    # Stores go in tiles of BLOCK_N columns, or two halves of BLOCK_N / 2 with EPILOGUE_SUBTILE.
+    Y_WIDTH: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
+    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, Y_WIDTH])
     if SAVE_PRE:  # y's layout: pre-activations are allocated like y
-        pre_desc = _output_descriptor(pre_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
+        pre_desc = tl.make_tensor_descriptor(pre_ptr, shape=[M, N], strides=[stride_ym, 1],
+                                             block_shape=[BLOCK_M, Y_WIDTH])
         if GATED:
-            preu_desc = _output_descriptor(preu_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
+            preu_desc = tl.make_tensor_descriptor(preu_ptr, shape=[M, N], strides=[stride_ym, 1],
+                                                  block_shape=[BLOCK_M, Y_WIDTH])
 
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -152,15 +156,6 @@ def linear_tma_kernel(
                 if GATED:
                     preu_desc.store([off_m, off_n], pre_up.to(out_dtype))
             y_desc.store([off_m, off_n], _activate(pre, pre_up, ACTIVATION, GATED).to(out_dtype))
-
-@triton.jit
-def _output_descriptor(ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       EPILOGUE_SUBTILE: tl.constexpr):
-    """A store descriptor for an [M, N] output in tiles of BLOCK_M rows and BLOCK_N (subtiled: BLOCK_N/2)."""
-    if EPILOGUE_SUBTILE:
-        return tl.make_tensor_descriptor(ptr, shape=[M, N], strides=[stride_m, 1], block_shape=[BLOCK_M, BLOCK_N // 2])
-    return tl.make_tensor_descriptor(ptr, shape=[M, N], strides=[stride_m, 1], block_shape=[BLOCK_M, BLOCK_N])
-
 
 @triton.jit
 def _pre_activation(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
