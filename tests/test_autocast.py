@@ -65,6 +65,25 @@ def test_a_training_step_under_autocast_matches_eager_autocast():
     assert_close(ours.weight.grad, ref.weight.grad.double(), REL_L2_BOUND[BF16], "RMSNorm dweight under autocast")
 
 
+def test_a_linear_training_step_under_autocast_matches_eager_autocast():
+    """fp32 parameters, bf16 compute under autocast: gradients arrive in fp32 on the parameters, as torch's."""
+    torch.manual_seed(0)
+    ours = tilefuse.nn.Linear(70, 45, activation="gelu", device=DEV)
+    ref = torch.nn.Linear(70, 45, device=DEV)
+    ref.load_state_dict(ours.state_dict())
+    x, target = _r(33, 70), _r(33, 45, seed=9)
+    for mod, act in ((ours, lambda t: t), (ref, F.gelu)):
+        with torch.autocast(DEV, dtype=BF16):
+            out = act(mod(x))
+            assert out.dtype == BF16
+            loss = F.mse_loss(out.float(), target)
+        loss.backward()
+    for name in ("weight", "bias"):
+        got, want = getattr(ours, name).grad, getattr(ref, name).grad
+        assert got.dtype == torch.float32
+        assert_close(got, want.double(), REL_L2_BOUND[BF16], f"Linear d{name} under autocast")
+
+
 def test_compiled_under_autocast():
     x, w, b = _r(33, 70), _r(45, 70, seed=1, scale=70 ** -0.5), _r(45, seed=2)
     torch._dynamo.reset()

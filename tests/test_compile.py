@@ -88,8 +88,8 @@ CASES = {
                        ("attention", "sdpa")),
 }
 FORWARD_CASES = [c for c in CASES if c != "rms_norm_residual"]
-GRAD_CASES = ["layer_norm", "layer_norm_residual", "rms_norm", "rms_norm_residual", "softmax_last",
-              "softmax_dim0"]
+GRAD_CASES = ["linear_gelu_bias", "swiglu_pair", "layer_norm", "layer_norm_residual", "rms_norm", "rms_norm_residual",
+              "layer_norm_linear_layer", "layer_norm_linear_rms", "softmax_last", "softmax_dim0"]
 
 
 def _sizes(case):

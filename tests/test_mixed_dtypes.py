@@ -71,6 +71,21 @@ def test_layer_norm_linear_norm_parameters_of_another_dtype(device, monkeypatch,
     xn = F.rms_norm(x.double(), (70,), nw.double(), 1e-5) if norm == "rms" else \
         F.layer_norm(x.double(), (70,), nw.double(), nb.double(), 1e-5)
     assert_close(out, F.linear(xn, w.double()), REL_L2_BOUND[torch.bfloat16], f"layer_norm_linear {norm}")
+    # Gradients: each in its parameter's dtype, as torch's autograd gives them.
+    leaves = [t.clone().requires_grad_() for t in (x, nw, nb, w)]
+    dy = torch.randn(out.shape, generator=g).to(device, torch.bfloat16)
+    lx, lnw, lnb, lw = leaves
+    tilefuse.layer_norm_linear(lx, lnw, lnb if norm == "layer" else None, lw, None, eps=1e-5, norm=norm).backward(dy)
+    ref = [t.detach().double().requires_grad_() for t in (x, nw, nb, w)]
+    rxn = F.rms_norm(ref[0], (70,), ref[1], 1e-5) if norm == "rms" else \
+        F.layer_norm(ref[0], (70,), ref[1], ref[2], 1e-5)
+    F.linear(rxn, ref[3]).backward(dy.double())
+    for name, got, want, like in zip(("x", "norm_weight", "norm_bias", "weight"), leaves, ref, (x, nw, nb, w)):
+        if name == "norm_bias" and norm == "rms":
+            assert got.grad is None
+            continue
+        assert got.grad.dtype == like.dtype, name
+        assert_close(got.grad, want.grad, REL_L2_BOUND[torch.bfloat16], f"layer_norm_linear {norm} d{name}")
 
 
 def test_what_torch_refuses_stays_a_type_error(device):

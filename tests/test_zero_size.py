@@ -35,6 +35,32 @@ def test_gemms(device, path, M, K, N):
     _same(tilefuse.layer_norm_linear(x, None, None, w, b, norm="rms"), F.linear(F.rms_norm(x, (K,)), w, b))
 
 
+@pytest.mark.parametrize("M,K,N", [(0, 8, 5), (3, 0, 5), (3, 8, 0), (0, 0, 0)])
+def test_gemm_gradients(device, path, M, K, N):
+    """Backward of the GEMM ops on empty inputs: what torch's autograd gives (zeros of the right shapes,
+    and with K = 0 the bias gradient is still the sum of g)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g).to(device) for s in ((M, K), (N, K), (N,)))
+    nw = torch.randn(K, generator=g).to(device)
+    dy = torch.randn(M, N, generator=g).to(device)
+    cases = [
+        (lambda x, w, b: tilefuse.linear(x, w, b, "gelu"), lambda x, w, b: F.gelu(F.linear(x, w, b))),
+        (lambda x, w, b: tilefuse.linear(x, (w, w), (b, b), "swiglu"),
+         lambda x, w, b: F.silu(F.linear(x, w, b)) * F.linear(x, w, b)),
+        (lambda x, w, b, nw: tilefuse.layer_norm_linear(x, nw, None, w, b, eps=1e-5, norm="rms", activation="silu"),
+         lambda x, w, b, nw: F.silu(F.linear(F.rms_norm(x, (K,), nw, 1e-5), w, b))),
+    ]
+    for ours, theirs in cases:
+        tensors = (x, w, b) if ours.__code__.co_argcount == 3 else (x, w, b, nw)
+        a = [t.clone().requires_grad_() for t in tensors]
+        c = [t.clone().requires_grad_() for t in tensors]
+        got = torch.autograd.grad(ours(*a), a, dy, allow_unused=True)
+        want = torch.autograd.grad(theirs(*c), c, dy, allow_unused=True)
+        for i, (u, v) in enumerate(zip(got, want)):
+            v = torch.zeros_like(c[i]) if v is None else v
+            _same(u, v)
+
+
 @pytest.mark.parametrize("shape", [(0, 8), (3, 0), (0, 2, 8)])
 def test_norms_and_softmax_forward_and_backward(device, path, shape):
     n = shape[-1]

@@ -39,6 +39,11 @@ from triton.runtime.driver import driver
 from tilefuse import runtime
 from tilefuse.kernels import launches
 
+if runtime.interpreter_enabled():  # every launch passes through this module: give the CPU path GPU rounding
+    from tilefuse.kernels.interpreter import round_bf16_to_nearest
+
+    round_bf16_to_nearest()
+
 _local = threading.local()
 _PERSISTENT: dict[int, torch.Tensor] = {}  # data_ptr -> buffer kept for the process (split-K workspaces)
 _NO_PLAN = object()

@@ -1,5 +1,7 @@
 """Reference for the GEMM family: F.linear then the activation."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -50,9 +52,10 @@ def _vjp(fn, dy, *inputs):
 
 def _gemm_grads(g, x, weight):
     """(dx, dW, db) from g [..., N] in the compute dtype, cast to x's dtype."""
-    K = x.shape[-1]
-    g2d = g.reshape(-1, g.shape[-1])
-    x2d = x.reshape(-1, K).to(g.dtype)
+    K, N = x.shape[-1], g.shape[-1]
+    M = math.prod(x.shape[:-1])
+    g2d = g.reshape(M, N)
+    x2d = x.reshape(M, K).to(g.dtype)
     dx = (g2d @ weight.to(g.dtype)).reshape(x.shape).to(x.dtype)
     return dx, (g2d.t() @ x2d).to(x.dtype), g2d.sum(0).to(x.dtype)
 

@@ -45,7 +45,7 @@ linear_portable_tuned = tuning.autotune(
 linear_splitk_tuned = tuning.autotune(
     name="linear_splitk",
     configs=configs.SPLIT_K_GEMM_CONFIGS,
-    key=["M_BUCKET", "N", "K", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K"],
+    key=["M_BUCKET", "N", "K", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K", "SAVE_PRE"],
     prune_configs_by={"early_config_prune": configs.prune_portable_configs},
 )(linear_epilogue_kernel)
 

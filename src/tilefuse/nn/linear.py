@@ -1,0 +1,151 @@
+"""nn.Module drop-ins for a Linear, a gated (GLU) MLP and a norm followed by a Linear, backed by the
+fused tilefuse GEMMs.
+
+Each keeps torch's state-dict layout: ``Linear`` is a ``torch.nn.Linear`` subclass, ``GatedMLP`` holds
+``gate_proj`` / ``up_proj`` / ``down_proj`` (the Llama MLP names) and ``LayerNormLinear`` holds ``norm``
+and ``linear``, all plain torch modules. The activation is a constructor argument, never a buffer. The
+``from_*`` classmethods wrap existing modules and share their Parameter objects (an optimizer built on the
+originals keeps training them).
+"""
+from __future__ import annotations
+
+import torch
+
+from tilefuse.constants import ACTIVATIONS
+from tilefuse.ops.linear import linear
+from tilefuse.ops.norms import layer_norm_linear
+
+# GatedMLP's activation names the gate's function; the op takes the gated epilogue's name.
+_GATED = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
+
+
+def _check_activation(activation):
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    return activation
+
+
+def _check_is_linear(name, module):
+    if not isinstance(module, torch.nn.Linear):
+        raise TypeError(f"{name} must be a torch.nn.Linear, got {type(module).__name__}")
+
+
+class Linear(torch.nn.Linear):
+    """``act(torch.nn.Linear(x))`` in one kernel (:func:`tilefuse.linear`); the state dict is torch's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None,
+                 device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.activation = _check_activation(activation)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, activation: str | None = None) -> "Linear":
+        """A tilefuse Linear sharing ``linear``'s weight and bias (the same Parameter objects)."""
+        _check_is_linear("linear", linear)
+        # Built on the meta device: no weights allocated, then the originals put in their place.
+        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, activation=activation,
+                     device="meta")
+        module.weight, module.bias = linear.weight, linear.bias
+        return module.train(linear.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation!r}"
+
+
+class GatedMLP(torch.nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: the gate, up and product in one kernel (the pair of
+    weights read in place), then down_proj. State dict as Llama's MLP (``gate_proj.weight``, ...)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if activation not in _GATED:
+            raise ValueError(f"activation must be one of {tuple(_GATED)} (gated: swiglu, geglu, geglu_tanh), "
+                             f"got {activation!r}")
+        self.activation = activation
+        factory = {"device": device, "dtype": dtype}
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, **factory)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, **factory)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias, **factory)
+
+    @classmethod
+    def from_modules(cls, gate_proj: torch.nn.Linear, up_proj: torch.nn.Linear, down_proj: torch.nn.Linear,
+                     activation: str = "silu") -> "GatedMLP":
+        """A GatedMLP holding the given modules themselves (their parameters shared, not copied)."""
+        for name, m in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+            _check_is_linear(name, m)
+        inter, hidden = gate_proj.weight.shape
+        if up_proj.weight.shape != gate_proj.weight.shape:
+            raise ValueError(f"up_proj.weight {list(up_proj.weight.shape)} must have gate_proj.weight's shape "
+                             f"{list(gate_proj.weight.shape)} [intermediate, hidden]")
+        if down_proj.weight.shape != (hidden, inter):
+            raise ValueError(f"down_proj.weight must be [hidden, intermediate] = {[hidden, inter]}, "
+                             f"got {list(down_proj.weight.shape)}")
+        if (gate_proj.bias is None) != (up_proj.bias is None):
+            raise ValueError("gate_proj and up_proj must both have a bias or neither")
+        module = cls(hidden, inter, activation, bias=gate_proj.bias is not None, device="meta")
+        module.gate_proj, module.up_proj, module.down_proj = gate_proj, up_proj, down_proj
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj, self.up_proj
+        bias = None if gate.bias is None else (gate.bias, up.bias)
+        h = linear(x, (gate.weight, up.weight), bias, activation=_GATED[self.activation])
+        return linear(h, self.down_proj.weight, self.down_proj.bias)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+def _norm_kind(norm) -> str:
+    if isinstance(norm, torch.nn.RMSNorm):
+        return "rms"
+    if isinstance(norm, torch.nn.LayerNorm):
+        return "layer"
+    raise TypeError(f"norm must be a torch.nn.LayerNorm or torch.nn.RMSNorm, got {type(norm).__name__}")
+
+
+class LayerNormLinear(torch.nn.Module):
+    """``act(linear(norm(x)))`` with the normalization fused into the GEMM
+    (:func:`tilefuse.layer_norm_linear`). Holds torch's ``norm`` (``nn.LayerNorm`` or ``nn.RMSNorm``) and
+    ``linear`` (``nn.Linear``), so the state dict is ``norm.weight``, ``norm.bias``, ``linear.weight``, ...
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, eps: float | None = 1e-5,
+                 norm: str = "layer", activation: str | None = None, device=None, dtype=None) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        if norm == "layer":
+            self.norm = torch.nn.LayerNorm(in_features, eps=eps, **factory)
+        elif norm == "rms":
+            self.norm = torch.nn.RMSNorm(in_features, eps=eps, **factory)
+        else:
+            raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+        self.linear = torch.nn.Linear(in_features, out_features, bias=bias, **factory)
+        self.activation = _check_activation(activation)
+
+    @classmethod
+    def from_modules(cls, norm: torch.nn.LayerNorm | torch.nn.RMSNorm, linear: torch.nn.Linear,
+                     activation: str | None = None) -> "LayerNormLinear":
+        """A LayerNormLinear holding ``norm`` and ``linear`` themselves (the norm kind from norm's type)."""
+        kind = _norm_kind(norm)
+        _check_is_linear("linear", linear)
+        if tuple(norm.normalized_shape) != (linear.in_features,):
+            raise ValueError(f"norm.normalized_shape must be ({linear.in_features},) (linear.in_features): the "
+                             f"fused op normalizes the last dim only; got {tuple(norm.normalized_shape)}")
+        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, eps=norm.eps, norm=kind,
+                     activation=activation, device="meta")
+        module.norm, module.linear = norm, linear
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm, lin = self.norm, self.linear
+        kind = _norm_kind(norm)
+        return layer_norm_linear(x, norm.weight, norm.bias if kind == "layer" else None, lin.weight, lin.bias,
+                                 eps=norm.eps, norm=kind, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"

@@ -1,0 +1,172 @@
+"""tilefuse.linear / layer_norm_linear backward: behaviour beyond the registry grid (what is saved, layouts
+of gradients, weight forms, retain_graph, partial requires_grad, NaN, CUDA graphs)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilefuse
+from helpers import ON_GPU, assert_close
+from tilefuse import reference
+from tilefuse.opspec import REL_L2_BOUND
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+BOUND = REL_L2_BOUND[DTYPE]
+M, K, N = (257, 1000, 515) if ON_GPU else (33, 70, 45)
+
+
+def _r(*shape, seed=0, scale=1.0, device, dtype=DTYPE):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(device, dtype)
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _ref_grads(fn, tensors, dy):
+    leaves = [t.detach().double().requires_grad_() for t in tensors]
+    fn(*leaves).backward(dy.double())
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("activation", [None, "gelu", "silu"])
+def test_saves_what_eager_saves(device, activation):
+    """x, W and (with an activation) the pre-activation, nothing more: the bytes saved for the backward
+    equal eager's F.linear + activation."""
+    def saved_bytes(fn):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+        x, w, b = _leaves(_r(M, K, device=device), _r(N, K, seed=1, scale=K ** -0.5, device=device),
+                          _r(N, seed=2, device=device))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x, w, b)
+        return sum(sizes)
+    ours = saved_bytes(lambda x, w, b: tilefuse.linear(x, w, b, activation))
+    eager = saved_bytes(lambda x, w, b: reference.linear(x, w, b, activation))
+    assert ours <= eager, (ours, eager)
+    s = DTYPE.itemsize
+    assert ours == (M * K + N * K + (M * N if activation else 0)) * s
+
+
+def test_backward_runs_twice_with_retain_graph(device):
+    x, w, b = _leaves(_r(M, K, device=device), _r(N, K, seed=1, scale=K ** -0.5, device=device),
+                      _r(N, seed=2, device=device))
+    y = tilefuse.linear(x, w, b, "gelu")
+    dy = _r(M, N, seed=3, device=device)
+    first = torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+    second = torch.autograd.grad(y, (x, w, b), dy)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+
+
+def test_transposed_weight_gets_its_gradient_in_its_own_layout(device):
+    base = _r(K, N, seed=1, scale=K ** -0.5, device=device).requires_grad_()  # weight is base.t()
+    x = _r(M, K, device=device).requires_grad_()
+    dy = _r(M, N, seed=3, device=device)
+    y = tilefuse.linear(x, base.t(), None, "gelu_tanh")
+    seen = []
+    handle = y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: seen.extend(grad_inputs))
+    y.backward(dy)
+    handle.remove()
+    dw = seen[1]  # the op's gradient for its weight input, the transposed view
+    assert dw.shape == (N, K) and dw.stride() == (1, N), dw.stride()
+    want = _ref_grads(lambda x, wt: reference.linear(x, wt.t(), None, "gelu_tanh"), (x, base), dy)
+    assert_close(x.grad, want[0], BOUND, "dx")
+    assert_close(base.grad, want[1], BOUND, "d(base)")
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh"])
+def test_gated_weight_as_pair_or_one_tensor_gets_the_same_gradients(device, activation):
+    wg, wu = _r(N, K, seed=1, scale=K ** -0.5, device=device), _r(N, K, seed=2, scale=K ** -0.5, device=device)
+    bg, bu = _r(N, seed=3, device=device), _r(N, seed=4, device=device)
+    x = _r(M, K, device=device)
+    dy = _r(M, N, seed=5, device=device)
+    pair = _leaves(x, wg, wu, bg, bu)
+    tilefuse.linear(pair[0], (pair[1], pair[2]), (pair[3], pair[4]), activation).backward(dy)
+    cat = _leaves(x, torch.cat([wg, wu]), torch.cat([bg, bu]))
+    tilefuse.linear(cat[0], cat[1], cat[2], activation).backward(dy)
+    assert torch.equal(pair[0].grad, cat[0].grad)
+    assert torch.equal(torch.cat([pair[1].grad, pair[2].grad]), cat[1].grad)
+    assert torch.equal(torch.cat([pair[3].grad, pair[4].grad]), cat[2].grad)
+    want = _ref_grads(lambda x, w, b: reference.gated_linear(x, w[:N], w[N:], b[:N], b[N:], activation),
+                      (x, torch.cat([wg, wu]), torch.cat([bg, bu])), dy)
+    for got, exp, name in zip(cat, want, ("dx", "dW", "db")):
+        assert_close(got.grad, exp, BOUND, f"{activation} {name}")
+
+
+@pytest.mark.parametrize("which", ["x", "weight", "bias"])
+def test_only_the_inputs_that_require_grad_get_one(device, which):
+    x, w, b = _r(M, K, device=device), _r(N, K, seed=1, scale=K ** -0.5, device=device), _r(N, seed=2, device=device)
+    args = {"x": x, "weight": w, "bias": b}
+    args[which] = args[which].clone().requires_grad_()
+    y = tilefuse.linear(args["x"], args["weight"], args["bias"], "relu")
+    dy = _r(M, N, seed=3, device=device)
+    (got,) = torch.autograd.grad(y, args[which], dy)
+    pos = ["x", "weight", "bias"].index(which)
+    want = _ref_grads(lambda x, w, b: reference.linear(x, w, b, "relu"), (x, w, b), dy)[pos]
+    assert_close(got, want, BOUND, f"d{which}")
+
+
+def test_nan_in_gives_nan_gradients_where_torch_does(device):
+    x, w = _r(M, K, device=device), _r(N, K, seed=1, scale=K ** -0.5, device=device)
+    x[3, 5] = float("nan")
+    ours, theirs = _leaves(x, w), _leaves(x, w)
+    dy = _r(M, N, seed=3, device=device)
+    tilefuse.linear(ours[0], ours[1], None, "gelu").backward(dy)
+    F.gelu(F.linear(theirs[0], theirs[1])).backward(dy)
+    for a, c in zip(ours, theirs):
+        assert torch.equal(a.grad.isnan(), c.grad.isnan())
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_layer_norm_linear_gradients_against_float64(device, norm):
+    x = _r(M, K, device=device, scale=2.0) + 0.5
+    nw, nb = _r(K, seed=1, device=device) * 0.5 + 1, _r(K, seed=2, device=device)
+    w, b = _r(N, K, seed=3, scale=K ** -0.5, device=device), _r(N, seed=4, device=device)
+    dy = _r(M, N, seed=5, device=device)
+    tensors = (x, nw, nb, w, b) if norm == "layer" else (x, nw, w, b)
+    leaves = _leaves(*tensors)
+    if norm == "layer":
+        tilefuse.layer_norm_linear(*leaves, eps=1e-5, norm=norm, activation="gelu").backward(dy)
+        fn = lambda x, nw, nb, w, b: F.gelu(F.linear(F.layer_norm(x, (K,), nw, nb, 1e-5), w, b))  # noqa: E731
+    else:
+        x_l, nw_l, w_l, b_l = leaves
+        tilefuse.layer_norm_linear(x_l, nw_l, None, w_l, b_l, eps=1e-5, norm=norm, activation="gelu").backward(dy)
+        fn = lambda x, nw, w, b: F.gelu(F.linear(F.rms_norm(x, (K,), nw, 1e-5), w, b))  # noqa: E731
+    for got, want, i in zip(leaves, _ref_grads(fn, tensors, dy), range(5)):
+        assert_close(got.grad, want, BOUND, f"{norm} grad {i}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_training_step_of_a_module_in_a_cuda_graph():
+    """Forward + backward of tilefuse modules captured once and replayed on new inputs: the gradients of
+    each replay match an eager step on the same inputs (the parameters' .grad buffers are the graph's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tilefuse.nn.Linear(K, N, activation="gelu", device="cuda", dtype=DTYPE),
+                                tilefuse.nn.Linear(N, K, device="cuda", dtype=DTYPE))
+    static_x = _r(M, K, device="cuda")
+    static_dy = _r(M, K, seed=1, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: compile and tune outside the capture
+            model.zero_grad(set_to_none=False)
+            model(static_x).backward(static_dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        model(static_x).backward(static_dy)
+    for seed in (7, 8):
+        static_x.copy_(_r(M, K, seed=seed, device="cuda"))
+        static_dy.copy_(_r(M, K, seed=seed + 10, device="cuda"))
+        for p in model.parameters():
+            p.grad.zero_()
+        graph.replay()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=False)
+        model(static_x).backward(static_dy)
+        for g, p in zip(got, model.parameters()):
+            assert torch.equal(g, p.grad), "replayed step differs from the eager step"
