@@ -10,10 +10,10 @@ import pytest
 from tools.compiler import compile_gluon_sm90, compile_sm90
 
 
-@pytest.mark.parametrize("activation,gated,norm,save_pre", [
+@pytest.mark.parametrize("activation,gated,norm,save_slope", [
     ("gelu", False, 0, False), ("swiglu", True, 0, False), ("gelu", False, 1, False), ("none", False, 2, False),
     ("gelu", False, 0, True), ("swiglu", True, 0, True), ("gelu", False, 1, True)])
-def test_tma_gemm_compiles_to_wgmma(activation, gated, norm, save_pre):
+def test_tma_gemm_compiles_to_wgmma(activation, gated, norm, save_slope):
     """norm=1, 2: layer_norm_linear's form, whose row sums in the main loop and statistics in the epilogue must
     not cost spills on the largest tile (128x256, 8 warps) the tuner offers it. Its x tiles are also read
     into registers for the sums, and then the dot must take x from registers: with x as wgmma's shared
@@ -21,10 +21,10 @@ def test_tma_gemm_compiles_to_wgmma(activation, gated, norm, save_pre):
     tile a running wgmma read (RMSNorm rows at rel-L2 0.1-0.28 on the H200). Plain linear keeps x shared."""
     consts = dict(HAS_BIAS=True, ACTIVATION=activation, GATED=gated, NORM=norm, NUM_SMS=132, BLOCK_M=128,
                   BLOCK_N=256 if norm else 128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SUBTILE=True, WARP_SPECIALIZE=False,
-                  SAVE_PRE=save_pre)
+                  SAVE_SLOPE=save_slope)
     sig = {"*": "*bf16", "b_ptr": "*fp32", "bu_ptr": "*fp32", "eps": "fp32"} if norm else "*bf16"
     # Aligned as at the bench shapes (N, K and row strides multiples of 16), which the spill check is about.
-    aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "wu_ptr", "bu_ptr", "pre_ptr", "preu_ptr", "N", "K", "stride_xm",
+    aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "wu_ptr", "bu_ptr", "s_ptr", "su_ptr", "N", "K", "stride_xm",
                "stride_wn", "stride_wun", "stride_ym")
     facts = compile_sm90("tilefuse.kernels.gemm.tma", "linear_tma_kernel", sig, consts, num_warps=8,
                          num_stages=3 if norm else 4, aligned=aligned)
@@ -38,7 +38,7 @@ def test_tma_gemm_compiles_to_wgmma(activation, gated, norm, save_pre):
 @pytest.mark.parametrize("split_k,gated", [(1, False), (4, True)])
 def test_portable_gemm_compiles_for_sm90(split_k, gated):
     sig = {"*": "*fp16", "ws_ptr": "*fp32", "counter_ptr": "*i32"}
-    consts = dict(HAS_BIAS=True, ACTIVATION="geglu_tanh" if gated else "gelu_tanh", GATED=gated, SPLIT_K=split_k, SAVE_PRE=False,
+    consts = dict(HAS_BIAS=True, ACTIVATION="geglu_tanh" if gated else "gelu_tanh", GATED=gated, SPLIT_K=split_k, SAVE_SLOPE=False,
                   INPUT_PRECISION="tf32", UPCAST_DOT=False, BLOCK_M=128 if split_k == 1 else 16, BLOCK_N=64,
                   BLOCK_K=64 if split_k == 1 else 128, GROUP_M=8)
     facts = compile_sm90("tilefuse.kernels.gemm.portable", "linear_epilogue_kernel", sig, consts, num_warps=8, num_stages=4)
@@ -52,7 +52,7 @@ def test_split_k_reduces_in_one_launch_with_an_ordered_counter():
     count must be an acquire-release atomic at GPU scope (a relaxed one would let the reducer read
     partials not yet visible), and the reducing code must not spill."""
     sig = {"*": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32"}
-    consts = dict(HAS_BIAS=True, ACTIVATION="swiglu", GATED=True, SPLIT_K=5, SAVE_PRE=False, INPUT_PRECISION="tf32",
+    consts = dict(HAS_BIAS=True, ACTIVATION="swiglu", GATED=True, SPLIT_K=5, SAVE_SLOPE=False, INPUT_PRECISION="tf32",
                   UPCAST_DOT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
     aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "wu_ptr", "bu_ptr", "ws_ptr", "N", "K", "K_SPLIT_LEN",
                "stride_xm", "stride_wn", "stride_wun", "stride_ym")  # as a launch on aligned tensors is
@@ -77,7 +77,7 @@ def test_first_kept_portable_config_fits_shared_memory(dtype, gated, split_k, pr
     space = PORTABLE_GEMM_CONFIGS if split_k == 1 else SPLIT_K_GEMM_CONFIGS
     x = torch.empty(1, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     cfg = prune_portable_configs(space, {"x_ptr": x}, GATED=gated, INPUT_PRECISION=precision)[0]
-    consts = dict(HAS_BIAS=True, ACTIVATION="swiglu" if gated else "gelu", GATED=gated, SPLIT_K=split_k, SAVE_PRE=False,
+    consts = dict(HAS_BIAS=True, ACTIVATION="swiglu" if gated else "gelu", GATED=gated, SPLIT_K=split_k, SAVE_SLOPE=False,
                   INPUT_PRECISION=precision, UPCAST_DOT=False, **cfg.kwargs)
     facts = compile_sm90("tilefuse.kernels.gemm.portable", "linear_epilogue_kernel",
                          {"*": f"*{dtype}", "ws_ptr": "*fp32"}, consts, cfg.num_warps, cfg.num_stages)
@@ -262,35 +262,31 @@ def test_warp_specialized_gemm_compiles_without_spills(activation, monkeypatch):
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
 
 
-@pytest.mark.parametrize("kernel,activation,gated", [
-    ("grad_input_kernel", "gelu", False), ("grad_input_kernel", "swiglu", True), ("grad_input_kernel", "none", False),
-    ("grad_weight_kernel", "gelu", False), ("grad_weight_kernel", "geglu_tanh", True)])
-def test_backward_gemms_compile_to_wgmma_and_fit(kernel, activation, gated):
-    """The backward GEMMs (g = dy * act'(pre) made in the operand loads) on the first config the prune keeps
-    for bf16: they must compile for sm_90a, feed wgmma, fit the shared memory the model allows and not
-    spill (a spilling A-operand prologue would cost more than the fusion saves)."""
+@pytest.mark.parametrize("kernel,slope,gated", [
+    ("grad_input_kernel", True, False), ("grad_input_kernel", True, True), ("grad_input_kernel", False, False),
+    ("grad_weight_kernel", True, False), ("grad_weight_kernel", False, False)])
+def test_backward_gemms_compile_to_wgmma_and_fit(kernel, slope, gated):
+    """The backward GEMMs (g = dy * slope made in the operand loads) on the first config the prune keeps for
+    bf16: they must compile for sm_90a, feed wgmma, fit the shared memory the model allows and not spill
+    (a spilling A-operand prologue would cost more than the fusion saves)."""
+    import importlib
+
     import torch
 
     from tilefuse.kernels.gemm.configs import PORTABLE_GEMM_CONFIGS, SMEM_LIMIT, prune_backward_configs
 
     dy = torch.empty(1, dtype=torch.bfloat16)
-    named = {"dy_ptr": dy, "w_ptr": dy} if kernel == "grad_input_kernel" else {"dy_ptr": dy, "x_ptr": dy}
-    cfg = prune_backward_configs(PORTABLE_GEMM_CONFIGS, named, ACTIVATION=activation, GATED=gated,
-                                 INPUT_PRECISION="tf32")[0]
-    consts = dict(ACTIVATION=activation, GATED=gated, INPUT_PRECISION="tf32", UPCAST_DOT=False, **cfg.kwargs)
-    if kernel == "grad_weight_kernel":
-        consts["HAS_BIAS"] = True
+    cfg = prune_backward_configs(PORTABLE_GEMM_CONFIGS, {"dy_ptr": dy}, HAS_SLOPE=slope, INPUT_PRECISION="tf32")[0]
+    consts = dict(HAS_SLOPE=slope, GATED=gated, HAS_BIAS=True, TWO_ROW_STRIDES=False, INPUT_PRECISION="tf32",
+                  UPCAST_DOT=False, **cfg.kwargs)
     # Unit inner strides, which Triton specializes at launch (an int argument equal to 1 is a constant).
-    for unit in ("stride_dyn", "stride_pn", "stride_wk", "stride_wuk", "stride_dxk", "stride_xk", "stride_dwk",
-                 "stride_dwuk"):
+    for unit in ("stride_dyn", "stride_sn", "stride_wk", "stride_wuk", "stride_dxk", "stride_xk", "stride_dwk"):
         consts[unit] = 1
-    import importlib
-
     params = importlib.import_module("tilefuse.kernels.gemm.backward").__dict__[kernel].arg_names
     consts = {k: v for k, v in consts.items() if k in params}
-    aligned = tuple(a for a in ("dy_ptr", "pre_ptr", "up_ptr", "w_ptr", "wu_ptr", "dx_ptr", "x_ptr", "dw_ptr",
-                                "dwu_ptr", "N", "K", "stride_dym", "stride_pm", "stride_wn", "stride_wun",
-                                "stride_dxm", "stride_xm", "stride_dwn", "stride_dwun") if a in params)
+    aligned = tuple(a for a in ("dy_ptr", "s_ptr", "su_ptr", "w_ptr", "wu_ptr", "dx_ptr", "x_ptr", "dw_ptr", "N", "K",
+                                "stride_dym", "stride_sm", "stride_wn", "stride_wun", "stride_dxm", "stride_xm",
+                                "stride_dwn") if a in params)
     facts = compile_sm90("tilefuse.kernels.gemm.backward", kernel, "*bf16", consts, cfg.num_warps, cfg.num_stages,
                          aligned=aligned)
     assert facts["wgmma"], facts

@@ -69,7 +69,7 @@ def apply_gated(gate, up, ACTIVATION: tl.constexpr):
     return gate * up
 
 
-# ---- derivatives, for the backward GEMMs' prologues ---------------------------------------------------
+# ---- derivatives, for the training forward's epilogues ---------------------------------------------------
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1/sqrt(2*pi), the normal density's constant
 
 
@@ -97,23 +97,26 @@ def silu_grad(x):
 
 
 @triton.jit
-def activation_grad(dy, pre, ACTIVATION: tl.constexpr):
-    """``dy * act'(pre)`` on fp32 tiles (``dy`` itself for "none"). relu passes dy where pre > 0 and 0
-    elsewhere, as torch's threshold backward does (on the output: NaN pre passes dy through)."""
+def activation_slope(pre, ACTIVATION: tl.constexpr):
+    """``act'(pre)`` on an fp32 tile: what the training forward stores for the backward, which then only
+    multiplies it by dy. relu's slope is 0 where pre <= 0 and 1 elsewhere, NaN included, as torch's
+    threshold backward passes dy through where its output is NaN."""
     if ACTIVATION == "gelu":
-        dy = dy * gelu_erf_grad(pre)
+        slope = gelu_erf_grad(pre)
     elif ACTIVATION == "gelu_tanh":
-        dy = dy * gelu_tanh_grad(pre)
+        slope = gelu_tanh_grad(pre)
     elif ACTIVATION == "relu":
-        dy = tl.where(pre <= 0.0, 0.0, dy)
-    elif ACTIVATION == "silu":
-        dy = dy * silu_grad(pre)
-    return dy
+        slope = tl.where(pre <= 0.0, 0.0, 1.0)
+    else:
+        tl.static_assert(ACTIVATION == "silu", "unknown activation")
+        slope = silu_grad(pre)
+    return slope
 
 
 @triton.jit
-def gated_grads(dy, gate, up, ACTIVATION: tl.constexpr):
-    """(d gate, d up) of ``act(gate) * up`` on fp32 tiles: (dy * up * act'(gate), dy * act(gate))."""
+def gated_slopes(gate, up, ACTIVATION: tl.constexpr):
+    """The partial derivatives of ``act(gate) * up`` on fp32 tiles: (up * act'(gate), act(gate)); the
+    backward's g for each branch is dy times one of them."""
     if ACTIVATION == "swiglu":
         act, grad = silu(gate), silu_grad(gate)
     elif ACTIVATION == "geglu":
@@ -121,4 +124,4 @@ def gated_grads(dy, gate, up, ACTIVATION: tl.constexpr):
     else:
         tl.static_assert(ACTIVATION == "geglu_tanh", "unknown gated activation")
         act, grad = gelu_tanh(gate), gelu_tanh_grad(gate)
-    return dy * up * grad, dy * act
+    return up * grad, act

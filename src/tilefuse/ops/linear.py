@@ -2,7 +2,8 @@
 
 Registered as the custom ops ``tilefuse::linear`` and ``tilefuse::gated_linear`` (see ``_dispatch``),
 whose autograd formulas call ``tilefuse::linear_backward`` / ``tilefuse::gated_linear_backward``. In
-training the forward ops also return the pre-activation(s) (``save_pre``), which the backward reads.
+training the forward ops also return the activation's slope(s) ``act'(pre)`` (``save_slope``): the
+backward multiplies dy by them (kernels/gemm/backward.py says why the slope, not the pre-activation).
 """
 from __future__ import annotations
 
@@ -85,52 +86,52 @@ def _empty(x, n):
 
 
 def _nothing(x):
-    """The placeholder for an output a call does not produce (a saved pre-activation not asked for)."""
+    """The placeholder for an output a call does not produce (a slope not asked for)."""
     return x.new_empty((0,))
 
 
-# ---- forward ops: y, and in training the pre-activation(s) the backward reads ------------------------
+# ---- forward ops: y, and in training the activation's slope(s) the backward reads --------------------
 @torch.library.custom_op("tilefuse::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               activation: Optional[str], save_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _linear_impl(x, weight, bias, activation, save_pre)
+               activation: Optional[str], save_slope: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _linear_impl(x, weight, bias, activation, save_slope)
 
 
 @_linear_op.register_fake
-def _(x, weight, bias, activation, save_pre):
-    return _empty(x, weight.shape[0]), (_empty(x, weight.shape[0]) if save_pre else _nothing(x))
+def _(x, weight, bias, activation, save_slope):
+    return _empty(x, weight.shape[0]), (_empty(x, weight.shape[0]) if save_slope else _nothing(x))
 
 
-def _linear_impl(x, weight, bias, activation, save_pre):
-    """(y, pre): pre the pre-activation in y's layout with ``save_pre``, else an empty placeholder."""
+def _linear_impl(x, weight, bias, activation, save_slope):
+    """(y, slope): slope = act'(pre) in y's layout with ``save_slope``, else an empty placeholder."""
     path = runtime.execution_path(x)
     N, K = weight.shape
     if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
         _dispatch.record_reference("linear", path)
-        pre = _empty(x, N).copy_(reference.linear(x, weight, bias))
+        pre = _empty(x, N).copy_(reference.linear(x, weight, bias))  # rounded as the kernels round it
         y = _empty(x, N).copy_(reference.activation(pre, activation))
-        return y, (pre if save_pre else _nothing(x))
+        return y, (_empty(x, N).copy_(reference.activation_slope(pre, activation)) if save_slope else _nothing(x))
     with _dispatch.on_device(x):
-        out = _gemm_launch().linear(x, weight, bias, activation, path, save_pre)
-    return out if save_pre else (out, _nothing(x))
+        out = _gemm_launch().linear(x, weight, bias, activation, path, save_slope)
+    return out if save_slope else (out, _nothing(x))
 
 
 @torch.library.custom_op("tilefuse::gated_linear", mutates_args=())
 def _gated_linear_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: Optional[torch.Tensor],
                      b_up: Optional[torch.Tensor], activation: str,
-                     save_pre: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, save_pre)
+                     save_slope: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, save_slope)
 
 
 @_gated_linear_op.register_fake
-def _(x, w_gate, w_up, b_gate, b_up, activation, save_pre):
+def _(x, w_gate, w_up, b_gate, b_up, activation, save_slope):
     n = w_gate.shape[0]
-    saved = (_empty(x, n), _empty(x, n)) if save_pre else (_nothing(x), _nothing(x))
+    saved = (_empty(x, n), _empty(x, n)) if save_slope else (_nothing(x), _nothing(x))
     return (_empty(x, n), *saved)
 
 
-def _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, save_pre):
-    """(y, gate, up): the two pre-activations with ``save_pre``, else empty placeholders."""
+def _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, save_slope):
+    """(y, s_gate, s_up) = (y, up * act'(gate), act(gate)) with ``save_slope``, else empty placeholders."""
     path = runtime.execution_path(x)
     N, K = w_gate.shape
     if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
@@ -138,10 +139,13 @@ def _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, save_pre):
         gate = _empty(x, N).copy_(reference.linear(x, w_gate, b_gate))
         up = _empty(x, N).copy_(reference.linear(x, w_up, b_up))
         y = _empty(x, N).copy_(reference.gate(gate, activation) * up)
-        return (y, gate, up) if save_pre else (y, _nothing(x), _nothing(x))
+        if not save_slope:
+            return y, _nothing(x), _nothing(x)
+        s_gate, s_up = reference.gated_slopes(gate, up, activation)
+        return y, _empty(x, N).copy_(s_gate), _empty(x, N).copy_(s_up)
     with _dispatch.on_device(x):
-        out = _gemm_launch().gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path, save_pre)
-    return out if save_pre else (out, _nothing(x), _nothing(x))
+        out = _gemm_launch().gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path, save_slope)
+    return out if save_slope else (out, _nothing(x), _nothing(x))
 
 
 # ---- backward ops ------------------------------------------------------------------------------------
@@ -154,87 +158,84 @@ def _backward_outputs(x, weights, need_dx, need_dw, need_db):
     return (dx, *dws, *dbs)
 
 
-def _linear_backward_impl(dy, x, weight, pre, activation, need_dx, need_dw, need_db):
+def _linear_backward_impl(dy, x, weight, slope, need_dx, need_dw, need_db):
     path = runtime.execution_path(x)
     N, K = weight.shape
     if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
         _dispatch.record_reference("linear_backward", path)
-        grads = reference.linear_backward(dy, x, weight, pre, activation)
+        grads = reference.linear_backward(dy, x, weight, slope)
         return tuple(out.copy_(g) if out.numel() else out
                      for out, g in zip(_backward_outputs(x, (weight,), need_dx, need_dw, need_db), grads))
     with _dispatch.on_device(x):
-        return _gemm_launch().linear_backward(dy, x, weight, None, pre, None, activation, need_dx, need_dw, need_db,
-                                              path)
+        return _gemm_launch().linear_backward(dy, x, weight, None, slope, None, need_dx, need_dw, need_db, path)
 
 
 @torch.library.custom_op("tilefuse::linear_backward", mutates_args=())
-def _linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pre: Optional[torch.Tensor],
-                        activation: Optional[str], need_dx: bool, need_dw: bool,
-                        need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _linear_backward_impl(dy, x, weight, pre, activation, need_dx, need_dw, need_db)
+def _linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, slope: Optional[torch.Tensor],
+                        need_dx: bool, need_dw: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _linear_backward_impl(dy, x, weight, slope, need_dx, need_dw, need_db)
 
 
 @_linear_backward_op.register_fake
-def _(dy, x, weight, pre, activation, need_dx, need_dw, need_db):
+def _(dy, x, weight, slope, need_dx, need_dw, need_db):
     return _backward_outputs(x, (weight,), need_dx, need_dw, need_db)
 
 
-def _gated_linear_backward_impl(dy, x, w_gate, w_up, gate, up, activation, need_dx, need_dw, need_db):
+def _gated_linear_backward_impl(dy, x, w_gate, w_up, s_gate, s_up, need_dx, need_dw, need_db):
     path = runtime.execution_path(x)
     N, K = w_gate.shape
     if path == runtime.REFERENCE or N == 0 or K == 0 or x.numel() == 0:
         _dispatch.record_reference("linear_backward", path)
-        grads = reference.gated_linear_backward(dy, x, w_gate, w_up, gate, up, activation)
+        grads = reference.gated_linear_backward(dy, x, w_gate, w_up, s_gate, s_up)
         return tuple(out.copy_(g) if out.numel() else out
                      for out, g in zip(_backward_outputs(x, (w_gate, w_up), need_dx, need_dw, need_db), grads))
     with _dispatch.on_device(x):
-        return _gemm_launch().linear_backward(dy, x, w_gate, w_up, gate, up, activation, need_dx, need_dw, need_db,
-                                              path)
+        return _gemm_launch().linear_backward(dy, x, w_gate, w_up, s_gate, s_up, need_dx, need_dw, need_db, path)
 
 
 @torch.library.custom_op("tilefuse::gated_linear_backward", mutates_args=())
 def _gated_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                              gate: torch.Tensor, up: torch.Tensor, activation: str, need_dx: bool, need_dw: bool,
+                              s_gate: torch.Tensor, s_up: torch.Tensor, need_dx: bool, need_dw: bool,
                               need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                       torch.Tensor]:
-    return _gated_linear_backward_impl(dy, x, w_gate, w_up, gate, up, activation, need_dx, need_dw, need_db)
+    return _gated_linear_backward_impl(dy, x, w_gate, w_up, s_gate, s_up, need_dx, need_dw, need_db)
 
 
 @_gated_linear_backward_op.register_fake
-def _(dy, x, w_gate, w_up, gate, up, activation, need_dx, need_dw, need_db):
+def _(dy, x, w_gate, w_up, s_gate, s_up, need_dx, need_dw, need_db):
     return _backward_outputs(x, (w_gate, w_up), need_dx, need_dw, need_db)
 
 
-def linear_grads(dy, x, weight, pre, activation, need_dx, need_dw, need_db):
-    """(dx, dW, db) of ``act(x @ W^T + b)`` by the backward kernels; ``pre`` the saved pre-activation
-    (None without an activation). Also layer_norm_linear's backward, with x its normalized input."""
-    if _dispatch.direct(dy, x, weight, pre):  # eager backward: no dispatcher round trip
-        return _linear_backward_impl(dy, x, weight, pre, activation, need_dx, need_dw, need_db)
-    return _linear_backward_op(dy, x, weight, pre, activation, need_dx, need_dw, need_db)
+def linear_grads(dy, x, weight, slope, need_dx, need_dw, need_db):
+    """(dx, dW, db) of ``act(x @ W^T + b)`` by the backward kernels; ``slope`` the saved act'(pre) (None
+    without an activation). Also layer_norm_linear's backward, with x its normalized input."""
+    if _dispatch.direct(dy, x, weight, slope):  # eager backward: no dispatcher round trip
+        return _linear_backward_impl(dy, x, weight, slope, need_dx, need_dw, need_db)
+    return _linear_backward_op(dy, x, weight, slope, need_dx, need_dw, need_db)
 
 
-def _missing_pre(what: str):
-    return RuntimeError(f"tilefuse.{what}: the backward needs the pre-activation, which this forward did not "
+def _missing_slope(what: str):
+    return RuntimeError(f"tilefuse.{what}: the backward needs the activation's slope, which this forward did not "
                         "save (it ran without grad); call it with grad enabled to train")
 
 
 def _setup_linear(ctx, inputs, output):
-    x, weight, bias, activation, save_pre = inputs
+    x, weight, bias, activation, save_slope = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, weight, output[1] if activation is not None else None)
-    ctx.activation, ctx.has_bias, ctx.saved_pre = activation, bias is not None, save_pre
+    ctx.activation, ctx.has_bias, ctx.saved_slope = activation, bias is not None, save_slope
 
 
-def _linear_backward(ctx, dy, dpre):
-    x, weight, pre = ctx.saved_tensors
+def _linear_backward(ctx, dy, dslope):
+    x, weight, slope = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = ctx.has_bias and ctx.needs_input_grad[2]
     if dy is None or not (need_dx or need_dw or need_db):
         return None, None, None, None, None
-    if ctx.activation is not None and not ctx.saved_pre:
-        raise _missing_pre("linear")
-    dx, dw, db = linear_grads(dy, x, weight, pre, ctx.activation, need_dx, need_dw, need_db)
+    if ctx.activation is not None and not ctx.saved_slope:
+        raise _missing_slope("linear")
+    dx, dw, db = linear_grads(dy, x, weight, slope, need_dx, need_dw, need_db)
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None)
 
 
@@ -242,24 +243,24 @@ _linear_op.register_autograd(_linear_backward, setup_context=_setup_linear)
 
 
 def _setup_gated(ctx, inputs, output):
-    x, w_gate, w_up, b_gate, b_up, activation, save_pre = inputs
+    x, w_gate, w_up, b_gate, b_up, activation, save_slope = inputs
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, w_gate, w_up, output[1], output[2])
-    ctx.activation, ctx.has_bias, ctx.saved_pre = activation, (b_gate is not None, b_up is not None), save_pre
+    ctx.has_bias, ctx.saved_slope = (b_gate is not None, b_up is not None), save_slope
 
 
-def _gated_backward(ctx, dy, dgate, dup):
-    x, w_gate, w_up, gate, up = ctx.saved_tensors
+def _gated_backward(ctx, dy, ds_gate, ds_up):
+    x, w_gate, w_up, s_gate, s_up = ctx.saved_tensors
     needs = ctx.needs_input_grad
     need_dx, need_dw = needs[0], needs[1] or needs[2]
     need_db = (ctx.has_bias[0] and needs[3]) or (ctx.has_bias[1] and needs[4])
     if dy is None or not (need_dx or need_dw or need_db):
         return (None,) * 7
-    if not ctx.saved_pre:
-        raise _missing_pre("linear")
-    args = (dy, x, w_gate, w_up, gate, up, ctx.activation, need_dx, need_dw, need_db)
-    if _dispatch.direct(dy, x, w_gate, w_up, gate, up):
+    if not ctx.saved_slope:
+        raise _missing_slope("linear")
+    args = (dy, x, w_gate, w_up, s_gate, s_up, need_dx, need_dw, need_db)
+    if _dispatch.direct(dy, x, w_gate, w_up, s_gate, s_up):
         dx, dwg, dwu, dbg, dbu = _gated_linear_backward_impl(*args)
     else:
         dx, dwg, dwu, dbg, dbu = _gated_linear_backward_op(*args)
@@ -282,8 +283,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
     ``TRITON_INTERPRET=1`` and the PyTorch reference otherwise.
 
     Differentiable in x, weight and bias: the backward's two GEMMs (dx = g @ W, dW = g^T @ x with
-    db = sum g from the same tiles) make ``g = dy * act'(pre)`` as they load dy and the pre-activation,
-    so g never reaches HBM; the forward saves what eager saves (x, W and the pre-activation). dW and db
+    db = sum g from the same tiles) make ``g = dy * act'(pre)`` as they load dy and the slope act'(pre),
+    which the forward's epilogue computed and stored in place of the pre-activation eager keeps (the
+    same bytes: x, W and one [..., N] tensor are saved; gated: two), so g never reaches HBM. dW and db
     accumulate in fp32; a weight given as a transposed view gets its gradient in that layout.
 
     Gated (GLU) activations "swiglu", "geglu" (erf GELU), "geglu_tanh" return
@@ -307,8 +309,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
         b_gate, b_up = dense(b_gate), dense(b_up)
         if _dispatch.direct(x, w_gate, w_up, b_gate, b_up):
             return _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, False)[0]
-        save_pre = grad_needed(x, w_gate, w_up, b_gate, b_up)
-        return _gated_linear_op(x, w_gate, w_up, b_gate, b_up, activation, save_pre)[0]
+        save_slope = grad_needed(x, w_gate, w_up, b_gate, b_up)
+        return _gated_linear_op(x, w_gate, w_up, b_gate, b_up, activation, save_slope)[0]
     if isinstance(weight, (tuple, list)):
         raise ValueError(f"a pair of weights needs a gated activation {GATED_ACTIVATIONS}, "
                          f"got activation={activation!r}")
@@ -319,5 +321,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
     bias = dense(bias)
     if _dispatch.direct(x, weight, bias):
         return _linear_impl(x, weight, bias, activation, False)[0]
-    save_pre = activation is not None and grad_needed(x, weight, bias)
-    return _linear_op(x, weight, bias, activation, save_pre)[0]
+    save_slope = activation is not None and grad_needed(x, weight, bias)
+    return _linear_op(x, weight, bias, activation, save_slope)[0]

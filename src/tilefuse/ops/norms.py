@@ -21,7 +21,7 @@ from tilefuse.constants import ACTIVATIONS
 from tilefuse.ops import _dispatch
 from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, dense, grad_needed
 from tilefuse.ops.linear import check_linear_args
-from tilefuse.reference.linear import activation as reference_activation
+from tilefuse import reference as reference_gemm
 from tilefuse.reference import norms as reference
 
 LAYER_NORM_EPS = 1e-5
@@ -311,19 +311,19 @@ def _check_norm_linear_args(x, norm_weight, norm_bias, weight, bias, eps, norm, 
 @torch.library.custom_op("tilefuse::layer_norm_linear", mutates_args=())
 def _layer_norm_linear_op(x: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
                           weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, norm: str,
-                          activation: Optional[str], save_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre)
+                          activation: Optional[str], save_slope: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_slope)
 
 
 @_layer_norm_linear_op.register_fake
-def _(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre):
+def _(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_slope):
     shape = (*x.shape[:-1], weight.shape[0])
     y = torch.empty(shape, dtype=x.dtype, device=x.device)
-    return y, (torch.empty_like(y) if save_pre else x.new_empty((0,)))
+    return y, (torch.empty_like(y) if save_slope else x.new_empty((0,)))
 
 
-def _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre):
-    """(y, pre): pre the pre-activation in y's layout with ``save_pre``, else an empty placeholder."""
+def _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_slope):
+    """(y, slope): slope = act'(pre) in y's layout with ``save_slope``, else an empty placeholder."""
     path = runtime.execution_path(x)
     N, K = weight.shape
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
@@ -332,31 +332,33 @@ def _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, 
         norm_weight, norm_bias = _as_compute_params(x, norm_weight), _as_compute_params(x, norm_bias)
         pre = torch.empty_like(y).copy_(reference.layer_norm_linear(x, norm_weight, norm_bias, weight, bias, eps=eps,
                                                                     norm=norm, activation=None))
-        y.copy_(reference_activation(pre, activation))
-        return y, (pre if save_pre else x.new_empty((0,)))
+        y.copy_(reference_gemm.activation(pre, activation))
+        if not save_slope:
+            return y, x.new_empty((0,))
+        return y, torch.empty_like(y).copy_(reference_gemm.activation_slope(pre, activation))
     from tilefuse.ops.linear import _gemm_launch
     with _dispatch.on_device(x):
         out = _gemm_launch().layer_norm_linear(_rows(x, K), norm_weight, norm_bias, weight, bias, eps, norm == "rms",
-                                               activation, path, save_pre)
-    y2d, pre2d = out if save_pre else (out, None)
-    return y2d.view(*x.shape[:-1], N), (pre2d.view(*x.shape[:-1], N) if save_pre else x.new_empty((0,)))
+                                               activation, path, save_slope)
+    y2d, slope2d = out if save_slope else (out, None)
+    return y2d.view(*x.shape[:-1], N), (slope2d.view(*x.shape[:-1], N) if save_slope else x.new_empty((0,)))
 
 
 def _setup_norm_linear(ctx, inputs, output):
-    x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre = inputs
+    x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_slope = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, norm_weight, norm_bias, weight, output[1] if activation is not None else None)
-    ctx.eps, ctx.norm, ctx.activation, ctx.saved_pre = eps, norm, activation, save_pre
+    ctx.eps, ctx.norm, ctx.activation, ctx.saved_slope = eps, norm, activation, save_slope
     ctx.has = (norm_weight is not None, norm_bias is not None, bias is not None)
     ctx.param_dtypes = (None if norm_weight is None else norm_weight.dtype,
                         None if norm_bias is None else norm_bias.dtype)
 
 
-def _norm_linear_backward(ctx, dy, dpre):
+def _norm_linear_backward(ctx, dy, dslope):
     """The GEMM's backward on the normalized x (recomputed here by the norm kernel with its statistics,
     rather than saved by the forward), then the norm's backward from d(normalized x)."""
-    x, norm_weight, norm_bias, weight, pre = ctx.saved_tensors
+    x, norm_weight, norm_bias, weight, slope = ctx.saved_tensors
     needs = ctx.needs_input_grad
     has_nw, has_nb, has_b = ctx.has
     need_dx, need_dnw, need_dnb = needs[0], has_nw and needs[1], has_nb and needs[2]
@@ -364,9 +366,9 @@ def _norm_linear_backward(ctx, dy, dpre):
     need_dxn = need_dx or need_dnw or need_dnb
     if dy is None or not (need_dxn or need_dw or need_db):
         return (None,) * 9
-    if ctx.activation is not None and not ctx.saved_pre:
-        raise RuntimeError("tilefuse.layer_norm_linear: the backward needs the pre-activation, which this forward "
-                           "did not save (it ran without grad); call it with grad enabled to train")
+    if ctx.activation is not None and not ctx.saved_slope:
+        raise RuntimeError("tilefuse.layer_norm_linear: the backward needs the activation's slope, which this "
+                           "forward did not save (it ran without grad); call it with grad enabled to train")
     from tilefuse.ops.linear import linear_grads
 
     K = x.shape[-1]
@@ -377,7 +379,7 @@ def _norm_linear_backward(ctx, dy, dpre):
         xn, _, stats = _rms_norm_op(x, None, norm_weight, [K], ctx.eps)
     else:
         xn, _, stats = _layer_norm_op(x, None, norm_weight, norm_bias, [K], ctx.eps)
-    dxn, dw, db = linear_grads(dy, xn, weight, pre, ctx.activation, need_dxn, need_dw, need_db)
+    dxn, dw, db = linear_grads(dy, xn, weight, slope, need_dxn, need_dw, need_db)
     dx = dnw = dnb = None
     if need_dxn:
         if _dispatch.direct(dxn, x, norm_weight, stats):
@@ -424,5 +426,5 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
     eps = float(eps)
     if _dispatch.direct(x, norm_weight, norm_bias, weight, bias):
         return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, False)[0]
-    save_pre = activation is not None and grad_needed(x, norm_weight, norm_bias, weight, bias)
-    return _layer_norm_linear_op(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_pre)[0]
+    save_slope = activation is not None and grad_needed(x, norm_weight, norm_bias, weight, bias)
+    return _layer_norm_linear_op(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_slope)[0]

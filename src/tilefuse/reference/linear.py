@@ -42,12 +42,32 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _vjp(fn, dy, *inputs):
-    """The gradients of ``fn(*inputs)`` against ``dy``, computed in fp32 (fp64 stays fp64)."""
-    leaves = [t.detach().to(_compute_dtype(t)).requires_grad_() for t in inputs]
-    with torch.enable_grad():
-        out = fn(*leaves)
-    return torch.autograd.grad(out, leaves, dy.to(out.dtype))
+def _derivative(p: torch.Tensor, name: str) -> torch.Tensor:
+    """act'(p) in closed form (custom ops run below autograd, so no autograd here). relu: 0 where p <= 0,
+    else 1 (NaN included), as torch's threshold backward passes dy where its output is NaN."""
+    if name in ("gelu", "geglu"):
+        return 0.5 * (1 + torch.erf(p * 0.5 ** 0.5)) + p * torch.exp(-0.5 * p * p) * (2 * math.pi) ** -0.5
+    if name in ("gelu_tanh", "geglu_tanh"):
+        c = (2 / math.pi) ** 0.5
+        t = torch.tanh(c * (p + 0.044715 * p ** 3))
+        return 0.5 * (1 + t) + 0.5 * p * (1 - t * t) * c * (1 + 3 * 0.044715 * p * p)
+    if name == "relu":
+        return torch.where(p <= 0, 0.0, 1.0).to(p.dtype)
+    if name in ("silu", "swiglu"):
+        sig = torch.sigmoid(p)
+        return sig * (1 + p * (1 - sig))
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def activation_slope(pre: torch.Tensor, name: str) -> torch.Tensor:
+    """``act'(pre)`` (in fp32, fp64 for fp64): what the training forward saves for the backward."""
+    return _derivative(pre.to(_compute_dtype(pre)), name)
+
+
+def gated_slopes(gate: torch.Tensor, up: torch.Tensor, name: str):
+    """(up * act'(gate), act(gate)): the GLU's partial derivatives, saved for the backward."""
+    a, u = gate.to(_compute_dtype(gate)), up.to(_compute_dtype(up))
+    return u * _derivative(a, name), _GATE[name](a)
 
 
 def _gemm_grads(g, x, weight):
@@ -60,21 +80,23 @@ def _gemm_grads(g, x, weight):
     return dx, (g2d.t() @ x2d).to(x.dtype), g2d.sum(0).to(x.dtype)
 
 
-def linear_backward(dy, x, weight, pre, activation_name):
-    """(dx, dW, db) of ``act(x @ W^T + b)`` from dy and the saved pre-activation (None without an
-    activation), as eager autograd computes them: g = dy * act'(pre), then the two GEMMs and a sum."""
-    if activation_name is None:
-        g = dy.to(_compute_dtype(dy))
-    else:
-        (g,) = _vjp(lambda p: activation(p, activation_name), dy, pre)
-    g = g.to(dy.dtype).to(g.dtype)  # eager's g is a tensor in dy's dtype
-    return _gemm_grads(g, x, weight)
+def _g(dy, slope):
+    """g = dy * slope in the compute dtype, rounded to dy's dtype as eager's g tensor is."""
+    g = dy.to(_compute_dtype(dy))
+    if slope is not None:
+        g = g * slope.to(g.dtype)
+    return g.to(dy.dtype).to(g.dtype)
 
 
-def gated_linear_backward(dy, x, w_gate, w_up, gate_pre, up_pre, activation_name):
-    """(dx, dW_gate, dW_up, db_gate, db_up) of the GLU from dy and the two saved pre-activations."""
-    g_gate, g_up = _vjp(lambda a, u: _GATE[activation_name](a) * u, dy, gate_pre, up_pre)
-    g_gate, g_up = (t.to(dy.dtype).to(t.dtype) for t in (g_gate, g_up))
+def linear_backward(dy, x, weight, slope):
+    """(dx, dW, db) of ``act(x @ W^T + b)`` from dy and the saved slope act'(pre) (None without an
+    activation): g = dy * slope, then the two GEMMs and a sum."""
+    return _gemm_grads(_g(dy, slope), x, weight)
+
+
+def gated_linear_backward(dy, x, w_gate, w_up, s_gate, s_up):
+    """(dx, dW_gate, dW_up, db_gate, db_up) of the GLU from dy and its two saved slopes."""
+    g_gate, g_up = _g(dy, s_gate), _g(dy, s_up)
     dx_gate, dw_gate, db_gate = _gemm_grads(g_gate, x, w_gate)
     dx_up, dw_up, db_up = _gemm_grads(g_up, x, w_up)
     return (dx_gate.to(g_gate.dtype) + dx_up.to(g_up.dtype)).to(x.dtype), dw_gate, dw_up, db_gate, db_up

@@ -127,29 +127,22 @@ FOLD_BLOCK_N, FOLD_BLOCK_K, FOLD_WARPS = 8, 512, 4
 def backward_smem_bytes(bm: int, bn: int, bk: int, stages: int, elem_bytes: int, a_tiles: int,
                         tensor_cores: bool = True) -> int:
     """Shared memory of a backward GEMM's pipeline (backward.py): every loaded tile is staged, ``a_tiles``
-    of bm x bk (dy, and the saved pre-activation(s) the A operand is made from) and one of bk x bn
-    (the weight or x); ``stages - 1`` buffers on the FMA path, as the forward's model."""
+    of bm x bk (dy, and the slope the A operand is made from) and one of bk x bn (the weight or x);
+    ``stages - 1`` buffers on the FMA path, as the forward's model."""
     buffers = stages if tensor_cores else stages - 1
     return buffers * (a_tiles * bm * bk + bn * bk) * elem_bytes
 
 
 def prune_backward_configs(configs, named_args, **kwargs):
-    """The backward GEMMs build their A operand in registers from one to three loaded tiles (dy, the
-    pre-activation, gated: the up product) before the dot, so they hold more than the forward's main
-    loop: with an activation keep tiles of at most 128 x 128, gated at most 64 accumulator elements per
-    thread (sm_90a: 128 x 128 with 4 warps spills). Shared memory per ``backward_smem_bytes``. The
-    operand size is dy's."""
+    """The forward's tile rules for the backward GEMMs, with their own shared-memory model: two A-side
+    tiles staged per step when there is a slope to multiply. The operand size is dy's."""
     dy = named_args.get("dy_ptr")
     elem = dy.element_size() if hasattr(dy, "element_size") else 4
-    activation = kwargs.get("ACTIVATION", "none")
-    gated = bool(kwargs.get("GATED"))
-    a_tiles = 1 if activation == "none" else (3 if gated else 2)
+    a_tiles = 2 if kwargs.get("HAS_SLOPE") else 1
     tensor_cores = not (elem == 4 and kwargs.get("INPUT_PRECISION", "ieee") == "ieee")
     kept = configs
-    if activation != "none" or not tensor_cores:
+    if not tensor_cores:  # as the forward: fp32 "ieee" on the FMA units spills on the largest tiles
         kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or configs
-    if gated:  # three fp32 operand tiles besides the accumulator: at most 64 accumulator elements per thread
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32 * c.num_warps] or kept
     fits = [c for c in kept
             if backward_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages,
                                    elem, a_tiles, tensor_cores) <= SMEM_LIMIT]

@@ -8,9 +8,9 @@ config, grid and K split, for tilefuse.linear (plain and gated) and tilefuse.lay
   the same launch (portable.py, SPLIT_K).
 - Everything else, and the interpreter: the portable kernel; layer_norm_linear with a statistics
   pre-pass (the norms family's kernel) and normalization in the GEMM's prologue (norm_prologue.py).
-- Training: every forward entry takes ``save_pre`` and then also returns the pre-activation(s) its
-  kernel stored; the backward entries run the two backward GEMMs (backward.py), which make
-  ``g = dy * act'(pre)`` in their operand loads.
+- Training: every forward entry takes ``save_slope`` and then also returns the activation's slope(s)
+  ``act'(pre)`` its kernel stored (backward.py says why the slope, not the pre-activation); the backward
+  entry runs the two backward GEMMs (backward.py), which make ``g = dy * slope`` in their operand loads.
 
 Each entry allocates its output, records what ran (kernels/launches.py) and goes through the family's
 fast path (kernels/fastpath.py). Inputs arrive checked and non-empty (tilefuse.ops).
@@ -36,7 +36,7 @@ from tilefuse.sizes import cdiv
 linear_portable_tuned = tuning.autotune(
     name="linear_portable",
     configs=configs.PORTABLE_GEMM_CONFIGS,
-    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K", "SAVE_PRE"],
+    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K", "SAVE_SLOPE"],
     prune_configs_by={"early_config_prune": configs.prune_portable_configs},
 )(linear_epilogue_kernel)
 
@@ -45,7 +45,7 @@ linear_portable_tuned = tuning.autotune(
 linear_splitk_tuned = tuning.autotune(
     name="linear_splitk",
     configs=configs.SPLIT_K_GEMM_CONFIGS,
-    key=["M_BUCKET", "N", "K", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K", "SAVE_PRE"],
+    key=["M_BUCKET", "N", "K", "ACTIVATION", "INPUT_PRECISION", "SPLIT_K", "SAVE_SLOPE"],
     prune_configs_by={"early_config_prune": configs.prune_portable_configs},
 )(linear_epilogue_kernel)
 
@@ -54,7 +54,7 @@ linear_tma_tuned = tuning.autotune(
     configs=[configs.tma_config(**c) for c in configs.TMA_GEMM_CONFIGS],
     # NORM: layer_norm_linear's form reads x tiles into registers as well, which changes what fits; and
     # RMSNorm without bias has linear's dtypes, so only NORM tells the two keys apart.
-    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "NORM", "SAVE_PRE"],
+    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "NORM", "SAVE_SLOPE"],
     prune_configs_by={"early_config_prune": configs.prune_gated_configs},
 )(linear_tma_kernel)
 
@@ -62,7 +62,7 @@ norm_linear_tuned = tuning.autotune(
     name="norm_linear",
     configs=configs.PORTABLE_GEMM_CONFIGS,
     key=["M_BUCKET", "N", "K", "IS_RMS", "HAS_GAMMA", "HAS_BETA", "HAS_BIAS", "ACTIVATION",
-         "INPUT_PRECISION", "SAVE_PRE"],
+         "INPUT_PRECISION", "SAVE_SLOPE"],
     # The portable GEMM's shared-memory and fp32-FMA rules apply to this main loop as well.
     prune_configs_by={"early_config_prune": configs.prune_norm_linear_configs},
 )(norm_linear_kernel)
@@ -71,14 +71,14 @@ norm_linear_tuned = tuning.autotune(
 grad_input_tuned = tuning.autotune(
     name="linear_grad_input",
     configs=configs.PORTABLE_GEMM_CONFIGS,
-    key=["M_BUCKET", "N", "K", "ACTIVATION", "GATED", "INPUT_PRECISION"],
+    key=["M_BUCKET", "N", "K", "HAS_SLOPE", "GATED", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": configs.prune_backward_configs},
 )(grad_input_kernel)
 
 grad_weight_tuned = tuning.autotune(
     name="linear_grad_weight",
     configs=configs.PORTABLE_GEMM_CONFIGS,
-    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "GATED", "INPUT_PRECISION"],
+    key=["M_BUCKET", "N", "K", "HAS_BIAS", "HAS_SLOPE", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": configs.prune_backward_configs},
 )(grad_weight_kernel)
 
@@ -189,58 +189,58 @@ def _stream(device: torch.device) -> int:
 
 
 # ---- entries ---------------------------------------------------------------------------------------
-def linear(x, weight, bias, activation, path, save_pre=False):
+def linear(x, weight, bias, activation, path, save_slope=False):
     """``act(x @ weight^T + bias)`` for x [..., K] (any strides), weight [N, K], bias [N] dense or None.
-    ``save_pre`` (training, with an activation): returns (y, pre), pre the pre-activation in y's layout."""
+    ``save_slope`` (training, with an activation): returns (y, slope), slope = act'(pre) in y's layout."""
     precision = precision_for(x.dtype, x.is_cuda)
-    return _LINEAR.run((x, weight, bias), (activation, precision, save_pre),
-                       lambda: _linear(x, weight, bias, None, None, activation, precision, path, save_pre))
+    return _LINEAR.run((x, weight, bias), (activation, precision, save_slope),
+                       lambda: _linear(x, weight, bias, None, None, activation, precision, path, save_slope))
 
 
-def gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path, save_pre=False):
-    """``act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)``, both GEMMs in one kernel. ``save_pre``:
-    returns (y, gate, up), the two pre-activations in y's layout."""
+def gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path, save_slope=False):
+    """``act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)``, both GEMMs in one kernel. ``save_slope``:
+    returns (y, s_gate, s_up) = (y, up * act'(gate), act(gate)) in y's layout."""
     precision = precision_for(x.dtype, x.is_cuda)
-    return _GATED.run((x, w_gate, w_up, b_gate, b_up), (activation, precision, save_pre),
-                      lambda: _linear(x, w_gate, b_gate, w_up, b_up, activation, precision, path, save_pre))
+    return _GATED.run((x, w_gate, w_up, b_gate, b_up), (activation, precision, save_slope),
+                      lambda: _linear(x, w_gate, b_gate, w_up, b_up, activation, precision, path, save_slope))
 
 
-def _linear(x, w, b, w_up, b_up, activation, precision, path, save_pre):
+def _linear(x, w, b, w_up, b_up, activation, precision, path, save_slope):
     N, K = w.shape
     M = math.prod(x.shape[:-1])
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     x_rows, m_inner, s_outer, s_inner, s_k = row_addressing(x)
     y2d = y.view(M, N)
     gated = w_up is not None
-    saved = tuple(torch.empty_like(y) for _ in range((2 if gated else 1) if save_pre else 0))
-    pre = tuple(t.view(M, N) for t in saved)
-    out = (y, *saved) if save_pre else y
+    saved = tuple(torch.empty_like(y) for _ in range((2 if gated else 1) if save_slope else 0))
+    slopes = tuple(t.view(M, N) for t in saved)
+    out = (y, *saved) if save_slope else y
     compiled = path == runtime.COMPILED
     split_k = split_k_slices(M, N, K, path, x.device)
     if (compiled and split_k == 1 and x.dtype != torch.float32 and s_k == 1
             and (s_outer == 0 or m_inner == M)):
         x2d = x_rows.as_strided((M, K), (s_inner, 1))
-        if tma_supported(x2d, w, y2d, *([w_up] if gated else []), *pre):
-            cfg = _launch_tma(x2d, w, b, y2d, activation, w_up=w_up, b_up=b_up, pre=pre)
+        if tma_supported(x2d, w, y2d, *([w_up] if gated else []), *slopes):
+            cfg = _launch_tma(x2d, w, b, y2d, activation, w_up=w_up, b_up=b_up, slopes=slopes)
             launches.record("linear", path, "tma", lambda: tuning.describe(cfg))
             return out
     cfg = _launch_portable(x_rows, m_inner, s_outer, s_inner, s_k, w, b, y2d, M, N, K, activation, precision,
-                           interpret=path == runtime.INTERPRETER, w_up=w_up, b_up=b_up, split_k=split_k, pre=pre)
+                           interpret=path == runtime.INTERPRETER, w_up=w_up, b_up=b_up, split_k=split_k, slopes=slopes)
     launches.record("linear", path, "portable" if split_k == 1 else f"split-k {split_k}",
                     lambda: tuning.describe(cfg))
     return out
 
 
 def _launch_portable(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K, activation, input_precision,
-                     interpret, w_up=None, b_up=None, split_k=1, pre=()):
-    """The portable kernel on 2-D-addressable operands; returns the config used. ``pre``: () or the
-    [M, N] pre-activation output(s) to store (y's strides)."""
+                     interpret, w_up=None, b_up=None, split_k=1, slopes=()):
+    """The portable kernel on 2-D-addressable operands; returns the config used. ``slopes``: () or the
+    [M, N] slope output(s) to store (y's strides)."""
     gated = w_up is not None
     w_up = w_up if gated else w
     common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated,
-                  INPUT_PRECISION=input_precision, SAVE_PRE=bool(pre))
-    pre_ptr = pre[0] if pre else y
-    preu_ptr = pre[1] if len(pre) > 1 else y
+                  INPUT_PRECISION=input_precision, SAVE_SLOPE=bool(slopes))
+    s_ptr = slopes[0] if slopes else y
+    su_ptr = slopes[1] if len(slopes) > 1 else y
     ws = counters = y
     k_split_len = K
     if split_k > 1:
@@ -252,7 +252,7 @@ def _launch_portable(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N,
         counters = tile_counters(y.device, cdiv(M, MIN_TILE) * cdiv(N, MIN_TILE), stream)
     common["SPLIT_K"] = split_k
     args = (x, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y, ws, counters,
-            pre_ptr, preu_ptr, M, N, K, sizes.m_bucket(M), k_split_len, m_inner,
+            s_ptr, su_ptr, M, N, K, sizes.m_bucket(M), k_split_len, m_inner,
             stride_xo, stride_xm, stride_xk, w.stride(0), w.stride(1), w_up.stride(0), w_up.stride(1),
             y.stride(0), y.stride(1))
     if interpret:
@@ -271,11 +271,11 @@ def _launch_portable(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N,
 
 
 def _launch_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, b_up=None,
-                norm: tuple | None = None, pre=()):
+                norm: tuple | None = None, slopes=()):
     """Persistent TMA launch; returns the config used. ``config`` pins one (benchmarks of variants);
     None autotunes. ``norm``: (1 for LayerNorm or 2 for RMSNorm, eps, colsum fp32 [N] or None) for
-    layer_norm_linear, where ``w`` is the gamma-folded weight and ``b`` the folded bias. ``pre``: () or
-    the pre-activation output(s) to store, laid out as y."""
+    layer_norm_linear, where ``w`` is the gamma-folded weight and ``b`` the folded bias. ``slopes``: () or
+    the slope output(s) to store, laid out as y."""
     ensure_descriptor_allocator()
     M, K = x2d.shape
     N = w.shape[0]
@@ -287,10 +287,10 @@ def _launch_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None,
     if not gated:
         w_up = w
     args = (x2d, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y,
-            pre[0] if pre else y, pre[1] if len(pre) > 1 else y,
+            slopes[0] if slopes else y, slopes[1] if len(slopes) > 1 else y,
             M, N, K, sizes.m_bucket(M), x2d.stride(0), w.stride(0), w_up.stride(0), y.stride(0), eps)
     common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated, NORM=norm_kind,
-                  NUM_SMS=num_sms, SAVE_PRE=bool(pre))
+                  NUM_SMS=num_sms, SAVE_SLOPE=bool(slopes))
 
     def grid(meta):
         return (min(num_sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
@@ -304,30 +304,32 @@ def _launch_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None,
     return linear_tma_tuned.launched_config()
 
 
-def layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, path, save_pre=False):
+def layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, path, save_slope=False):
     """``act(norm(x) @ weight^T + bias)`` for rows x2d [M, K] (unit column stride, M, K > 0); norm
-    parameters [K] dense or None. Returns y [M, N] contiguous, and with ``save_pre`` (y, pre)."""
+    parameters [K] dense or None. Returns y [M, N] contiguous, and with ``save_slope`` (y, act'(pre))."""
     precision = precision_for(x2d.dtype, x2d.is_cuda)
-    return _NORM_LINEAR.run((x2d, norm_weight, norm_bias, weight, bias), (eps, is_rms, activation, precision, save_pre),
+    return _NORM_LINEAR.run((x2d, norm_weight, norm_bias, weight, bias),
+                            (eps, is_rms, activation, precision, save_slope),
                             lambda: _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms,
-                                                       activation, precision, path, save_pre))
+                                                       activation, precision, path, save_slope))
 
 
-def _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path, save_pre):
+def _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path,
+                       save_slope):
     M = x2d.shape[0]
     N = weight.shape[0]
     y2d = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
-    pre = (torch.empty_like(y2d),) if save_pre else ()
-    out = (y2d, *pre) if save_pre else y2d
+    slopes = (torch.empty_like(y2d),) if save_slope else ()
+    out = (y2d, *slopes) if save_slope else y2d
     if path == runtime.COMPILED and x2d.dtype != torch.float32 and tma_supported(x2d, weight, y2d):
-        cfg = _norm_linear_tma(x2d, is_rms, eps, norm_weight, norm_bias, weight, bias, y2d, activation, pre=pre)
+        cfg = _norm_linear_tma(x2d, is_rms, eps, norm_weight, norm_bias, weight, bias, y2d, activation, slopes=slopes)
         launches.record("layer_norm_linear", path, "tma, norm in epilogue", lambda: tuning.describe(cfg))
         return out
     from tilefuse.kernels.norms.launch import norm_statistics
 
     mean, rstd = norm_statistics(x2d, eps, is_rms, interpret=path == runtime.INTERPRETER)
     cfg = _launch_norm_prologue(x2d, mean, rstd, norm_weight, norm_bias, weight, bias, y2d, is_rms, activation,
-                                precision, interpret=path == runtime.INTERPRETER, pre=pre)
+                                precision, interpret=path == runtime.INTERPRETER, slopes=slopes)
     launches.record("layer_norm_linear", path, "norm in prologue", lambda: tuning.describe(cfg))
     return out
 
@@ -355,25 +357,25 @@ def fold_weight(w, gamma, beta, b, is_rms: bool):
     return wf, shift, colsum
 
 
-def _norm_linear_tma(x2d, is_rms, eps, gamma, beta, w, b, y2d, activation, config: dict | None = None, pre=()):
+def _norm_linear_tma(x2d, is_rms, eps, gamma, beta, w, b, y2d, activation, config: dict | None = None, slopes=()):
     """layer_norm_linear on Hopper: the fold, then the TMA GEMM, which takes the row statistics from the
     x tiles it streams and applies them in its epilogue. ``config`` pins the GEMM's config."""
     wf, shift, colsum = fold_weight(w, gamma, beta, b, is_rms)
     return _launch_tma(x2d, wf, shift, y2d, activation, config=config, norm=(2 if is_rms else 1, eps, colsum),
-                       pre=pre)
+                       slopes=slopes)
 
 
 def _launch_norm_prologue(x2d, mean, rstd, gamma, beta, w, b, y2d, is_rms, activation, input_precision, interpret,
-                          pre=()):
-    """x2d [M, K] (unit column stride), y2d [M, N] contiguous, ``pre`` () or (pre [M, N] like y2d,).
+                          slopes=()):
+    """x2d [M, K] (unit column stride), y2d [M, N] contiguous, ``slopes`` () or (slope [M, N] like y2d,).
     Returns the config used."""
     M, K = x2d.shape
     N = w.shape[0]
     args = (x2d, mean, rstd, gamma if gamma is not None else mean, beta if beta is not None else mean,
-            w, b if b is not None else mean, y2d, pre[0] if pre else y2d, M, N, K, sizes.m_bucket(M),
+            w, b if b is not None else mean, y2d, slopes[0] if slopes else y2d, M, N, K, sizes.m_bucket(M),
             x2d.stride(0), w.stride(0), w.stride(1), y2d.stride(0))
     flags = dict(IS_RMS=is_rms, HAS_GAMMA=gamma is not None, HAS_BETA=beta is not None, HAS_BIAS=b is not None,
-                 ACTIVATION=activation or "none", INPUT_PRECISION=input_precision, SAVE_PRE=bool(pre))
+                 ACTIVATION=activation or "none", INPUT_PRECISION=input_precision, SAVE_SLOPE=bool(slopes))
     if interpret:
         cfg = configs.INTERPRETER_GEMM
         grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
@@ -388,70 +390,64 @@ def _launch_norm_prologue(x2d, mean, rstd, gamma, beta, w, b, y2d, is_rms, activ
 
 
 # ---- backward ----------------------------------------------------------------------------------------
-def linear_backward(dy, x, w, w_up, pre, up, activation, need_dx, need_dw, need_db, path):
+def linear_backward(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, path):
     """Gradients of ``act(x @ w^T + b)`` (gated: of ``act(x @ w^T + b) * (x @ w_up^T + b_up)``) from dy
-    [..., N] (any strides) and the saved pre-activation(s) ``pre`` (and ``up``), [..., N] in y's layout
-    (None for activation None). Returns (dx, dw, db) -- gated (dx, dw, dw_up, db, db_up) -- each in x's
-    dtype: dx contiguous in x's shape, each dW in its weight's own layout when that is dense, db [N]; an
-    output not asked for is an empty tensor (db needs the dW kernel, so need_db also returns dW)."""
+    [..., N] (any strides) and the slope(s) the training forward saved, [..., N] in y's layout (None
+    without an activation; gated: s_gate and s_up). Returns (dx, dw, db) -- gated (dx, dw, dw_up, db,
+    db_up) -- each in x's dtype: dx contiguous in x's shape, each dW in its weight's own layout when that
+    is dense, db [N]; an output not asked for is an empty tensor (db needs the dW kernel, so need_db also
+    returns dW)."""
     precision = precision_for(x.dtype, x.is_cuda)
     return _LINEAR_BACKWARD.run(
-        (dy, x, w, w_up, pre, up), (activation, precision, need_dx, need_dw, need_db),
-        lambda: _linear_backward(dy, x, w, w_up, pre, up, activation, precision, need_dx, need_dw, need_db, path))
+        (dy, x, w, w_up, slope, slope_up), (precision, need_dx, need_dw, need_db),
+        lambda: _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path))
 
 
-def _grad_like(w: torch.Tensor) -> torch.Tensor:
-    """An uninitialized gradient for ``w`` in w's layout when it is dense (a transposed view gets a
-    transposed gradient, so the accumulation into its base needs no copy), else contiguous."""
-    if w.is_contiguous() or w.t().is_contiguous():
-        return torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=w.device)
-    return torch.empty(w.shape, dtype=w.dtype, device=w.device)
-
-
-def _linear_backward(dy, x, w, w_up, pre, up, activation, precision, need_dx, need_dw, need_db, path):
+def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path):
     N, K = w.shape
     M = math.prod(x.shape[:-1])
     gated = w_up is not None
     interpret = path == runtime.INTERPRETER
     dy2d = dy.reshape(M, N)
-    pre2d = pre.view(M, N) if pre is not None else dy2d
-    up2d = up.view(M, N) if up is not None else pre2d
+    s2d = slope.view(M, N) if slope is not None else dy2d
+    su2d = slope_up.view(M, N) if slope_up is not None else s2d
+
     def none():  # an output not asked for: empty, and never the same tensor twice
         return dy.new_empty((0,))
-    flags = dict(ACTIVATION=activation or "none", GATED=gated, INPUT_PRECISION=precision,
+    flags = dict(HAS_SLOPE=slope is not None, INPUT_PRECISION=precision,
                  UPCAST_DOT=interpret and x.dtype == torch.bfloat16)
     dx = none()
     if need_dx:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dx2d = dx.view(M, K)
         wu = w_up if gated else w
-        args = (dy2d, pre2d, up2d, w, wu, dx2d, M, N, K, sizes.m_bucket(M),
-                dy2d.stride(0), dy2d.stride(1), pre2d.stride(0), pre2d.stride(1),
+        args = (dy2d, s2d, su2d, w, wu, dx2d, M, N, K, sizes.m_bucket(M),
+                dy2d.stride(0), dy2d.stride(1), s2d.stride(0), s2d.stride(1),
                 w.stride(0), w.stride(1), wu.stride(0), wu.stride(1), dx2d.stride(0), dx2d.stride(1))
-        cfg = _launch_backward(grad_input_kernel, grad_input_tuned, args, flags, interpret,
+        cfg = _launch_backward(grad_input_kernel, grad_input_tuned, args, dict(flags, GATED=gated), interpret,
                                lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),))
-        launches.record("linear_backward", path, "grad input, act' in prologue", lambda: tuning.describe(cfg))
-    dw, dwu, db, dbu = none(), none(), none(), none()
-    if need_dw or need_db:
-        dw = _grad_like(w)
-        if gated:
-            dwu = _grad_like(w_up)
-        if need_db:
-            db = torch.empty(N, dtype=x.dtype, device=x.device)
-            if gated:
-                dbu = torch.empty(N, dtype=x.dtype, device=x.device)
-        x_rows, m_inner, s_outer, s_inner, s_k = row_addressing(x)
-        dwu_t = dwu if gated else dw
-        args = (dy2d, pre2d, up2d, x_rows, dw, db if need_db else dw, dwu_t, dbu if need_db and gated else dw,
-                M, N, K, sizes.m_bucket(M), m_inner, s_outer, s_inner, s_k,
-                dy2d.stride(0), dy2d.stride(1), pre2d.stride(0), pre2d.stride(1),
-                dw.stride(0), dw.stride(1), dwu_t.stride(0), dwu_t.stride(1))
-        branches = 2 if gated else 1
-        cfg = _launch_backward(grad_weight_kernel, grad_weight_tuned, args, dict(flags, HAS_BIAS=need_db), interpret,
-                               lambda meta: (cdiv(N, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]), branches))
-        launches.record("linear_backward", path, "grad weight" + (" + bias" if need_db else "") + ", act' in prologue",
+        launches.record("linear_backward", path, "grad input, g = dy * slope in its loads",
                         lambda: tuning.describe(cfg))
-    return (dx, dw, dwu, db, dbu) if gated else (dx, dw, db)
+    dws, dbs = [none(), none()], [none(), none()]
+    if need_dw or need_db:
+        x_rows, m_inner, s_outer, s_inner, s_k = row_addressing(x)
+        two_strides = s_outer != 0 and m_inner != M
+        branches = ((w, s2d), (w_up, su2d)) if gated else ((w, s2d),)
+        for i, (wb, sb) in enumerate(branches):
+            dw = dws[i] = torch.empty_like(wb)  # the weight's own layout when it is dense
+            db = dw
+            if need_db:
+                db = dbs[i] = torch.empty(N, dtype=x.dtype, device=x.device)
+            args = (dy2d, sb, x_rows, dw, db, M, N, K, sizes.m_bucket(M), m_inner, s_outer, s_inner, s_k,
+                    dy2d.stride(0), dy2d.stride(1), sb.stride(0), sb.stride(1), dw.stride(0), dw.stride(1))
+            cfg = _launch_backward(grad_weight_kernel, grad_weight_tuned, args,
+                                   dict(flags, HAS_BIAS=need_db, TWO_ROW_STRIDES=two_strides), interpret,
+                                   lambda meta: (cdiv(N, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),))
+            launches.record("linear_backward", path, "grad weight" + (" + bias" if need_db else "")
+                            + ", g = dy * slope in its loads", lambda: tuning.describe(cfg))
+    if gated:
+        return dx, dws[0], dws[1], dbs[0], dbs[1]
+    return dx, dws[0], dbs[0]
 
 
 def _launch_backward(kernel, tuned, args, flags, interpret, grid):

@@ -23,20 +23,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tilefuse.kernels.activations import apply_activation
+from tilefuse.kernels.activations import activation_slope, apply_activation
 from tilefuse.kernels.tiling import grouped_tile
 
 
 @triton.jit
 def norm_linear_kernel(
     x_ptr, mean_ptr, rstd_ptr, g_ptr, beta_ptr, w_ptr, b_ptr, y_ptr,
-    pre_ptr,  # SAVE_PRE only: the pre-activation [M, N], y's layout
+    s_ptr,  # SAVE_SLOPE only: act'(pre) [M, N], y's layout
     M, N, K,
     M_BUCKET,  # autotune key only
     stride_xm, stride_wn, stride_wk, stride_ym,
     IS_RMS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    SAVE_PRE: tl.constexpr,  # training: also store the pre-activation the backward reads
+    SAVE_SLOPE: tl.constexpr,  # training: also store the activation's slope for the backward
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -82,10 +82,9 @@ def norm_linear_kernel(
         acc = acc + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_offs = offs_m64[:, None] * stride_ym + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if SAVE_PRE:  # rounded as eager saves it; the activation runs on the saved value
-        acc = acc.to(y_ptr.dtype.element_ty)
-        tl.store(pre_ptr + y_offs, acc, mask=mask)
-        acc = acc.to(tl.float32)
+    if SAVE_SLOPE:  # of the pre-activation rounded as eager saves it; y from the same rounded value
+        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(s_ptr + y_offs, activation_slope(acc, ACTIVATION).to(y_ptr.dtype.element_ty), mask=mask)
     acc = apply_activation(acc, ACTIVATION)
     tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 

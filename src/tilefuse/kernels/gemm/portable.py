@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tilefuse.kernels.activations import apply_activation, apply_gated
+from tilefuse.kernels.activations import activation_slope, apply_activation, apply_gated, gated_slopes
 from tilefuse.kernels.tiling import grouped_tile
 
 
@@ -31,7 +31,7 @@ def linear_epilogue_kernel(
     wu_ptr, bu_ptr,  # gated only: the "up" weight [N, K] and bias (any valid pointer otherwise)
     ws_ptr,  # split-K only: fp32 partial sums [SPLIT_K, M, N] (then the up partials, if GATED)
     counter_ptr,  # split-K only: int32 per output tile, 0 between launches (see the end of the kernel)
-    pre_ptr, preu_ptr,  # SAVE_PRE only: the pre-activation [M, N] (gated: gate and up), y's strides
+    s_ptr, su_ptr,  # SAVE_SLOPE only: act'(pre) [M, N] (gated: the two branches' slopes), y's strides
     M, N, K,
     M_BUCKET,  # autotune key only: next power of two of M
     K_SPLIT_LEN,  # K elements per split (a multiple of BLOCK_K); K when SPLIT_K == 1
@@ -43,7 +43,7 @@ def linear_epilogue_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
-    SAVE_PRE: tl.constexpr,         # training: also store the pre-activation(s) the backward reads
+    SAVE_SLOPE: tl.constexpr,       # training: also store the activation's slope(s) for the backward
     SPLIT_K: tl.constexpr,          # > 1: program_id(1) sums one K slice and stores fp32 partials
     INPUT_PRECISION: tl.constexpr,  # "ieee" | "tf32" (fp32 only; ignored for 16-bit operands)
     UPCAST_DOT: tl.constexpr,       # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
@@ -108,19 +108,20 @@ def linear_epilogue_kernel(
                     acc_up += tl.load(ws_ptr + (SPLIT_K + s) * M * N + ws_offs, mask=tile_mask, other=0.0,
                                       cache_modifier=".cg")
             tl.atomic_xchg(counter_ptr + tl.program_id(0), 0)  # ready for the next launch
-            _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, pre_ptr, preu_ptr, offs_m64, offs_n, mask_m,
-                                   mask_n, stride_ym, stride_yn, HAS_BIAS, ACTIVATION, GATED, SAVE_PRE)
+            _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, s_ptr, su_ptr, offs_m64, offs_n, mask_m,
+                                   mask_n, stride_ym, stride_yn, HAS_BIAS, ACTIVATION, GATED, SAVE_SLOPE)
     else:
-        _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, pre_ptr, preu_ptr, offs_m64, offs_n, mask_m,
-                               mask_n, stride_ym, stride_yn, HAS_BIAS, ACTIVATION, GATED, SAVE_PRE)
+        _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, s_ptr, su_ptr, offs_m64, offs_n, mask_m,
+                               mask_n, stride_ym, stride_yn, HAS_BIAS, ACTIVATION, GATED, SAVE_SLOPE)
 
 
 @triton.jit
-def _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, pre_ptr, preu_ptr, offs_m64, offs_n, mask_m, mask_n,
+def _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, s_ptr, su_ptr, offs_m64, offs_n, mask_m, mask_n,
                            stride_ym, stride_yn, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                           GATED: tl.constexpr, SAVE_PRE: tl.constexpr):
+                           GATED: tl.constexpr, SAVE_SLOPE: tl.constexpr):
     """The epilogue on the fp32 accumulator(s): nothing touches HBM but the bias vectors and the store
-    (and, training, the pre-activation the backward needs: what eager's activation saves)."""
+    (and, training, the activation's slope the backward multiplies dy by: as many elements as the
+    pre-activation eager saves; kernels/gemm/backward.py says why the slope)."""
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
@@ -128,16 +129,17 @@ def _bias_activation_store(acc, acc_up, b_ptr, bu_ptr, y_ptr, pre_ptr, preu_ptr,
             acc_up = acc_up + tl.load(bu_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_offs = offs_m64[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = mask_m[:, None] & mask_n[None, :]
-    if SAVE_PRE:
-        # The backward reads the pre-activation rounded to y's dtype, as eager saves it; the
-        # activation below runs on the same rounded value so y and the gradient agree.
-        acc = acc.to(y_ptr.dtype.element_ty)
-        tl.store(pre_ptr + y_offs, acc, mask=mask)
-        acc = acc.to(tl.float32)
+    if SAVE_SLOPE:
+        # The pre-activation rounded to y's dtype, as eager's saved tensor is: y and the slope both
+        # come from the same rounded value.
+        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
         if GATED:
-            acc_up = acc_up.to(y_ptr.dtype.element_ty)
-            tl.store(preu_ptr + y_offs, acc_up, mask=mask)
-            acc_up = acc_up.to(tl.float32)
+            acc_up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+            s_gate, s_up = gated_slopes(acc, acc_up, ACTIVATION)
+            tl.store(s_ptr + y_offs, s_gate.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(su_ptr + y_offs, s_up.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(s_ptr + y_offs, activation_slope(acc, ACTIVATION).to(y_ptr.dtype.element_ty), mask=mask)
     if GATED:
         acc = apply_gated(acc, acc_up, ACTIVATION)
     else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tilefuse.kernels.activations import apply_activation, apply_gated
+from tilefuse.kernels.activations import activation_slope, apply_activation, apply_gated, gated_slopes
 from tilefuse.kernels.tiling import grouped_tile
 
 
@@ -33,7 +33,7 @@ def linear_tma_kernel(
     # Gated: the "up" weight [N, K] and its bias. NORM: bu_ptr holds the folded weight's column sums
     # (fp32 [N], LayerNorm only). Otherwise any valid pointer.
     wu_ptr, bu_ptr,
-    pre_ptr, preu_ptr,  # SAVE_PRE only: the pre-activation [M, N] (gated: gate and up), y's row stride
+    s_ptr, su_ptr,  # SAVE_SLOPE only: act'(pre) [M, N] (gated: the two branches' slopes), y's row stride
     M, N, K,
     M_BUCKET,  # autotune key only
     stride_xm, stride_wn, stride_wun, stride_ym,
@@ -42,7 +42,7 @@ def linear_tma_kernel(
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     NORM: tl.constexpr,  # 0: none; 1: LayerNorm (mean and rstd); 2: RMSNorm (rstd)
-    SAVE_PRE: tl.constexpr,  # training: also store the pre-activation(s) the backward reads
+    SAVE_SLOPE: tl.constexpr,  # training: also store the activation's slope(s) for the backward
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -60,12 +60,12 @@ def linear_tma_kernel(
     # Stores go in tiles of BLOCK_N columns, or two halves of BLOCK_N / 2 with EPILOGUE_SUBTILE.
     Y_WIDTH: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
     y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, Y_WIDTH])
-    if SAVE_PRE:  # y's layout: pre-activations are allocated like y
-        pre_desc = tl.make_tensor_descriptor(pre_ptr, shape=[M, N], strides=[stride_ym, 1],
-                                             block_shape=[BLOCK_M, Y_WIDTH])
+    if SAVE_SLOPE:  # y's layout: slopes are allocated like y
+        s_desc = tl.make_tensor_descriptor(s_ptr, shape=[M, N], strides=[stride_ym, 1],
+                                           block_shape=[BLOCK_M, Y_WIDTH])
         if GATED:
-            preu_desc = tl.make_tensor_descriptor(preu_ptr, shape=[M, N], strides=[stride_ym, 1],
-                                                  block_shape=[BLOCK_M, Y_WIDTH])
+            su_desc = tl.make_tensor_descriptor(su_ptr, shape=[M, N], strides=[stride_ym, 1],
+                                                block_shape=[BLOCK_M, Y_WIDTH])
 
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -133,28 +133,22 @@ def linear_tma_kernel(
             up_lo, up_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             pre, pre_up = _pre_activation(acc_lo, up_lo, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS, GATED,
                                           NORM, BLOCK_N // 2)
-            if SAVE_PRE:
-                pre, pre_up = _rounded(pre, pre_up, out_dtype, GATED)
-                pre_desc.store([off_m, off_n], pre.to(out_dtype))
-                if GATED:
-                    preu_desc.store([off_m, off_n], pre_up.to(out_dtype))
+            if SAVE_SLOPE:
+                pre, pre_up = _store_slopes(s_desc, su_desc if GATED else s_desc, [off_m, off_n], pre, pre_up,
+                                            out_dtype, ACTIVATION, GATED)
             y_desc.store([off_m, off_n], _activate(pre, pre_up, ACTIVATION, GATED).to(out_dtype))
             pre, pre_up = _pre_activation(acc_hi, up_hi, b_ptr, bu_ptr, mean, rstd, off_n + BLOCK_N // 2, N,
                                           HAS_BIAS, GATED, NORM, BLOCK_N // 2)
-            if SAVE_PRE:
-                pre, pre_up = _rounded(pre, pre_up, out_dtype, GATED)
-                pre_desc.store([off_m, off_n + BLOCK_N // 2], pre.to(out_dtype))
-                if GATED:
-                    preu_desc.store([off_m, off_n + BLOCK_N // 2], pre_up.to(out_dtype))
+            if SAVE_SLOPE:
+                pre, pre_up = _store_slopes(s_desc, su_desc if GATED else s_desc, [off_m, off_n + BLOCK_N // 2], pre, pre_up,
+                                            out_dtype, ACTIVATION, GATED)
             y_desc.store([off_m, off_n + BLOCK_N // 2], _activate(pre, pre_up, ACTIVATION, GATED).to(out_dtype))
         else:
             pre, pre_up = _pre_activation(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS, GATED, NORM,
                                           BLOCK_N)
-            if SAVE_PRE:
-                pre, pre_up = _rounded(pre, pre_up, out_dtype, GATED)
-                pre_desc.store([off_m, off_n], pre.to(out_dtype))
-                if GATED:
-                    preu_desc.store([off_m, off_n], pre_up.to(out_dtype))
+            if SAVE_SLOPE:
+                pre, pre_up = _store_slopes(s_desc, su_desc if GATED else s_desc, [off_m, off_n], pre, pre_up,
+                                            out_dtype, ACTIVATION, GATED)
             y_desc.store([off_m, off_n], _activate(pre, pre_up, ACTIVATION, GATED).to(out_dtype))
 
 @triton.jit
@@ -177,12 +171,18 @@ def _pre_activation(acc, acc_up, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS: 
 
 
 @triton.jit
-def _rounded(pre, pre_up, out_dtype: tl.constexpr, GATED: tl.constexpr):
-    """The pre-activation(s) rounded to the output dtype, as eager saves them for the backward; the
-    activation then runs on the saved values, so y and its gradient agree."""
+def _store_slopes(s_desc, su_desc, offsets, pre, pre_up, out_dtype: tl.constexpr, ACTIVATION: tl.constexpr,
+                  GATED: tl.constexpr):
+    """Training: round the pre-activation(s) to the output dtype, as eager's saved tensors are, store the
+    activation's slope(s) of the rounded values and return them, so y comes from the same values."""
     pre = pre.to(out_dtype).to(tl.float32)
     if GATED:
         pre_up = pre_up.to(out_dtype).to(tl.float32)
+        s_gate, s_up = gated_slopes(pre, pre_up, ACTIVATION)
+        s_desc.store(offsets, s_gate.to(out_dtype))
+        su_desc.store(offsets, s_up.to(out_dtype))
+    else:
+        s_desc.store(offsets, activation_slope(pre, ACTIVATION).to(out_dtype))
     return pre, pre_up
 
 
