@@ -124,7 +124,9 @@ def grad_weight_kernel(
     op_dtype = x_ptr.dtype.element_ty
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    db = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    # db: g summed elementwise into a tile in the loop and across its rows once after it (a cross-thread
+    # reduction per step would stall every K step of the main loop).
+    db_acc = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
     for m0 in range(0, M, BLOCK_K):
         rows = m0 + offs_r64
         mask_r = rows < M
@@ -133,7 +135,7 @@ def grad_weight_kernel(
         if HAS_SLOPE:  # rounded to the operand dtype as eager's g tensor is
             g = (g.to(tl.float32) * tl.load(s_ptrs, mask=mask_g, other=0.0).to(tl.float32)).to(op_dtype)
         if HAS_BIAS:
-            db += tl.sum(g.to(tl.float32), axis=0)
+            db_acc += g.to(tl.float32)
         if TWO_ROW_STRIDES:
             x_off = (rows // M_INNER) * stride_xo + (rows % M_INNER) * stride_xm
             x = tl.load(x_ptr + x_off[:, None] + offs_k[None, :] * stride_xk, mask=mask_r[:, None] & mask_k[None, :],
@@ -152,4 +154,5 @@ def grad_weight_kernel(
     tl.store(dw_ptr + offs_n64[:, None] * stride_dwn + offs_k[None, :] * stride_dwk, acc.to(dw_ptr.dtype.element_ty),
              mask=mask_n[:, None] & mask_k[None, :])
     if HAS_BIAS:
+        db = tl.sum(db_acc, axis=0)
         tl.store(db_ptr + offs_n, db.to(db_ptr.dtype.element_ty), mask=mask_n & (pid_k == 0))
