@@ -20,7 +20,7 @@ from tilefuse.ops import linear as linear_op
 from tilefuse.ops import norms as norm_ops
 from tilefuse.reference import norms as reference_norms
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+BF16, FP32 = torch.bfloat16, torch.float32
 
 
 def _step(forward, tensors, dy, **kwargs):
@@ -50,9 +50,19 @@ def _on_grid(t: torch.Tensor, step: float) -> torch.Tensor:
         return t.copy_(torch.round(t.float() / step) * step)
 
 
+def _with_dy(inputs, params, device, seed, rows_of):
+    """``inputs`` plus a fresh random dy of the output's shape (the rows ``rows_of(inputs)`` by N)."""
+    randn = linear_spec.random_normal(params["dtype"], device, seed + 1)
+    inputs["dy"] = randn(*rows_of(inputs), params["shape"][2])
+    return inputs
+
+
+def _rows_of_x(inputs):
+    return inputs["x"].shape[:-1]
+
+
 def _linear_inputs(params, device, seed):
     inputs = linear_spec.make_inputs(params, device, seed)
-    M, K, N = params["shape"]
     if params.get("activation") == "relu":
         # relu's derivative jumps at 0: a pre-activation within round-off of 0 may take the other side in
         # fp32 than in float64, and rel-L2 would then measure those flipped rows, not the kernel (2e-4 at
@@ -62,9 +72,7 @@ def _linear_inputs(params, device, seed):
         _on_grid(inputs["weight"], 1 / 64)
         if inputs["bias"] is not None:
             _on_grid(inputs["bias"], 0.25)
-    randn = linear_spec.random_normal(params["dtype"], device, seed + 1)
-    inputs["dy"] = randn(*inputs["x"].shape[:-1], N)
-    return inputs
+    return _with_dy(inputs, params, device, seed, _rows_of_x)
 
 
 def _linear_fused(x, weight, bias, activation, dy):
@@ -124,13 +132,8 @@ LINEAR_TRAIN = OpSpec(
     fused=_linear_fused,
     reference=_linear_ref,
     make_inputs=_linear_inputs,
-    test_grid={
-        "shape": [(33, 70, 45), (1, 1, 1), (17, 130, 9)],
-        "dtype": [FP32, FP16, BF16],
-        "activation": [None, "gelu", "gelu_tanh", "relu", "silu"],
-        "bias": [True, False],
-        "layout": ["contiguous", "x_transposed", "w_transposed", "x_strided", "3d", "3d_permuted", "1d"],
-    },
+    # The forward's grid (every activation, layout and dtype), with fewer CPU shapes: a step is three kernels.
+    test_grid={**linear_spec.LINEAR.test_grid, "shape": [(33, 70, 45), (1, 1, 1), (17, 130, 9)]},
     gpu_test_grid={"shape": [(33, 70, 45), (257, 1000, 515), (1024, 768, 3072)]},
     bench_cases=[dict(shape=s, dtype=BF16, activation="gelu", bias=True) for s in linear_spec.BENCH_SHAPES],
     accuracy_cases={
@@ -141,8 +144,6 @@ LINEAR_TRAIN = OpSpec(
     hbm_bytes=_linear_bytes,
     bound="compute",
     anchors=_linear_anchors,
-    # Bias and the activation's NaN-free domain: a [K] or [N] gradient of one element sums few values,
-    # so the rel-L2 bound of its dtype holds as for the GEMM outputs.
     compile_group=lambda p: f"{p['dtype']}-{p.get('activation')}-{p.get('bias', True)}",
     label=_gemm_label,
     extra={"kernels_only": _linear_kernels_only},
@@ -152,11 +153,7 @@ LINEAR_TRAIN = OpSpec(
 # ---- gated (GLU) -------------------------------------------------------------------------------------
 
 def _gated_inputs(params, device, seed):
-    inputs = gated_spec.make_inputs(params, device, seed)
-    M, K, N = params["shape"]
-    randn = linear_spec.random_normal(params["dtype"], device, seed + 1)
-    inputs["dy"] = randn(*inputs["x"].shape[:-1], N)
-    return inputs
+    return _with_dy(gated_spec.make_inputs(params, device, seed), params, device, seed, _rows_of_x)
 
 
 def _gated_reference_forward(x, weight, bias, activation):
@@ -208,14 +205,9 @@ GATED_LINEAR_TRAIN = OpSpec(
     fused=_gated_fused,
     reference=_gated_ref,
     make_inputs=_gated_inputs,
-    test_grid={
-        "shape": [(33, 70, 45), (1, 1, 1), (17, 130, 9)],
-        "dtype": [FP32, FP16, BF16],
-        "activation": ["swiglu", "geglu", "geglu_tanh"],
-        "bias": [True, False],
-        "weight_form": ["pair", "concat"],
-        "layout": ["contiguous", "x_transposed", "3d_permuted"],
-    },
+    # The forward's grid plus a 3-D x that needs two row strides (the dW kernel's other addressing).
+    test_grid={**gated_spec.GATED_LINEAR.test_grid, "shape": [(33, 70, 45), (1, 1, 1), (17, 130, 9)],
+               "layout": ["contiguous", "x_transposed", "3d_permuted"]},
     gpu_test_grid={"shape": [(33, 70, 45), (257, 1000, 515), (1024, 768, 3072)]},
     bench_cases=[dict(shape=(8192, 4096, 14336), dtype=BF16, activation="swiglu", bias=False),
                  dict(shape=(2048, 4096, 11008), dtype=BF16, activation="swiglu", bias=False)],
@@ -236,11 +228,7 @@ GATED_LINEAR_TRAIN = OpSpec(
 # ---- layer_norm_linear -------------------------------------------------------------------------------
 
 def _norm_linear_inputs(params, device, seed):
-    inputs = norms_spec._norm_linear_inputs(params, device, seed)
-    M, K, N = params["shape"]
-    randn = linear_spec.random_normal(params["dtype"], device, seed + 1)
-    inputs["dy"] = randn(M, N)
-    return inputs
+    return _with_dy(norms_spec._norm_linear_inputs(params, device, seed), params, device, seed, _rows_of_x)
 
 
 def _norm_linear_step(forward, x, norm_weight, norm_bias, weight, bias, eps, norm, activation, dy):
@@ -303,18 +291,10 @@ LAYER_NORM_LINEAR_TRAIN = OpSpec(
     fused=_norm_linear_fused,
     reference=_norm_linear_ref,
     make_inputs=_norm_linear_inputs,
-    test_grid={
-        # No K = 1: LayerNorm's output is then beta whatever x is, dx is exactly 0 and rel-L2 against the
-        # float64 round-off means nothing (tests/test_linear_backward.py checks small K by value).
-        "shape": [(33, 70, 45), (1, 5, 3), (17, 130, 9)],
-        "dtype": [FP32, FP16, BF16],
-        "norm": ["layer", "rms"],
-        "activation": [None, "gelu", "silu"],
-        "bias": [True, False],
-        "affine": [True, False],
-    },
-    gpu_test_grid={"shape": [(33, 70, 45), (257, 1000, 520), (1024, 768, 2304)],
-                   "activation": [None, "gelu", "gelu_tanh", "relu", "silu"]},
+    # The forward's grids, but no K = 1: LayerNorm's output is then beta whatever x is, dx is exactly 0 and
+    # rel-L2 against the float64 round-off means nothing.
+    test_grid={**norms_spec.LAYER_NORM_LINEAR.test_grid, "shape": [(33, 70, 45), (1, 5, 3), (17, 130, 9)]},
+    gpu_test_grid=norms_spec.LAYER_NORM_LINEAR.gpu_test_grid,
     bench_cases=[dict(shape=s, dtype=BF16, norm="layer", bias=True, activation="gelu")
                  for s in norms_spec.NORM_LINEAR_SHAPES],
     accuracy_cases={
