@@ -30,6 +30,7 @@ SMALL_SHAPES = {
     "layer_norm_linear": [(256, 1024, 1024)],
     "attention": [(1, 4, 4, 128, 128)],
     "sdpa": [(1, 2, 2, 128, 128, 64)],
+    "linear_train": [(512, 1024, 1024)],  # forward + backward through autograd
 }
 
 
