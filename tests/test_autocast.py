@@ -94,3 +94,27 @@ def test_compiled_under_autocast():
         want = F.layer_norm(F.gelu(F.linear(x, w, b)), (45,))
     assert got.dtype == want.dtype
     assert_close(got, want.double(), REL_L2_BOUND[BF16], "compiled under autocast")
+
+
+def test_direct_torch_ops_calls_follow_the_same_rules():
+    """The custom ops carry autocast kernels of their own: a direct torch.ops.tilefuse call under autocast
+    returns what the public function returns (GEMMs and attention in the autocast dtype, the norms and
+    softmax as torch's own ops under the same autocast state)."""
+    x, w, b = _r(33, 70), _r(45, 70, seed=1, scale=70 ** -0.5), _r(45, seed=2)
+    g = _r(70, seed=3) * 0.5 + 1
+    q = _r(1, 2, 37, 16, seed=4)
+    ops = torch.ops.tilefuse
+    with torch.autocast(DEV, dtype=BF16):
+        pairs = [
+            (ops.linear(x, w, b, "gelu", False)[0], tilefuse.linear(x, w, b, "gelu")),
+            (ops.gated_linear(x, w, w, None, None, "swiglu", False)[0], tilefuse.linear(x, (w, w), None, "swiglu")),
+            (ops.layer_norm_linear(x, g, None, w, b, 1e-5, "rms", None, False)[0],
+             tilefuse.layer_norm_linear(x, g, None, w, b, eps=1e-5, norm="rms")),
+            (ops.layer_norm(x, None, g, g, [70], 1e-5)[0], tilefuse.layer_norm(x, (70,), g, g)),
+            (ops.rms_norm(x, None, g, [70], 1e-5)[0], tilefuse.rms_norm(x, (70,), g, 1e-5)),
+            (ops.softmax(x, -1, "auto"), tilefuse.softmax(x, -1)),
+            (ops.attention(q, q, q, None, None, True, -1, -1, False)[0], tilefuse.attention(q, q, q)),
+        ]
+    for i, (direct, public) in enumerate(pairs):
+        assert direct.dtype == public.dtype, f"case {i}: {direct.dtype} vs the public function's {public.dtype}"
+        assert torch.equal(direct, public), f"case {i}"

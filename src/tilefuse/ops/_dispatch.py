@@ -87,3 +87,25 @@ def autocast_like(name: str, x: torch.Tensor, torch_op):
         if not _is_compiling():
             _PROBED[key] = out
     return out
+
+
+def register_autocast(op, positions, torch_op=None, name=None) -> None:
+    """Autocast kernels (CUDA and CPU) for custom op ``op``, so a direct ``torch.ops.tilefuse.*`` call under
+    ``torch.autocast`` follows the rule the public function applies: the floating tensors at
+    ``positions`` are cast to the autocast dtype, or -- with ``torch_op`` (a probe, see
+    :func:`autocast_like`) -- to the dtype torch's own op returns under the same autocast state.
+    torch.library's ``register_autocast`` casts to one fixed dtype, not the autocast state's, hence
+    these kernels of our own."""
+    for key in ("AutocastCUDA", "AutocastCPU"):
+        excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(*args, _excluded=excluded):
+            first = args[positions[0]]
+            cast = autocast_like(name, first, torch_op) if torch_op is not None else autocast_dtype(first)
+            if cast is not None:
+                args = list(args)
+                for i, t in zip(positions, cast_floats(cast, *(args[i] for i in positions))):
+                    args[i] = t
+            with torch._C._ExcludeDispatchKeyGuard(_excluded):
+                return op._opoverload(*args)
+        op._lib.impl(op._name, kernel, key)

@@ -92,6 +92,9 @@ def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse)
     return _empty_outputs(q, return_lse)
 
 
+_dispatch.register_autocast(_attention_op, (0, 1, 2, 3))  # q, k, v and a float mask: as torch's SDPA
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               window: tuple[int, int] | None = None, scale: float | None = None,
               return_lse: bool = False,

@@ -240,6 +240,7 @@ def _linear_backward(ctx, dy, dslope):
 
 
 _linear_op.register_autograd(_linear_backward, setup_context=_setup_linear)
+_dispatch.register_autocast(_linear_op, (0, 1, 2))  # x, weight, bias: as torch's linear
 
 
 def _setup_gated(ctx, inputs, output):
@@ -269,6 +270,7 @@ def _gated_backward(ctx, dy, ds_gate, ds_up):
 
 
 _gated_linear_op.register_autograd(_gated_backward, setup_context=_setup_gated)
+_dispatch.register_autocast(_gated_linear_op, (0, 1, 2, 3, 4))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

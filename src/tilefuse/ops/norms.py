@@ -236,6 +236,10 @@ def _probe_rms_norm(t):
     return torch.nn.functional.rms_norm(t, t.shape[-1:])
 
 
+_dispatch.register_autocast(_layer_norm_op, (0, 1), _probe_layer_norm, "layer_norm")  # x, residual
+_dispatch.register_autocast(_rms_norm_op, (0, 1), _probe_rms_norm, "rms_norm")
+
+
 def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         cast = _dispatch.autocast_like("rms_norm" if is_rms else "layer_norm", x,
@@ -395,6 +399,7 @@ def _norm_linear_backward(ctx, dy, dslope):
 
 
 _layer_norm_linear_op.register_autograd(_norm_linear_backward, setup_context=_setup_norm_linear)
+_dispatch.register_autocast(_layer_norm_linear_op, (0, 3, 4))  # x, weight, bias; norm parameters as they are
 
 
 def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,

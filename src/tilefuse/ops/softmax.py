@@ -99,6 +99,9 @@ def _probe_softmax(t):
     return torch.softmax(t, -1)
 
 
+_dispatch.register_autocast(_softmax_op, (0,), _probe_softmax, "softmax")
+
+
 def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch.Tensor:
     """``torch.softmax(x, dim)`` by Triton kernels, differentiable (backward in one kernel too).
 
