@@ -219,12 +219,13 @@ def test_sdpa_bad_input(args, exc, match):
         scaled_dot_product_attention(**args)
 
 
-def test_grad_required_is_refused():
-    q = _t(1, 1, 4, 16).requires_grad_()
-    with pytest.raises(NotImplementedError, match="no backward"):
-        attention(q, _t(1, 1, 4, 16), _t(1, 1, 4, 16))
+def test_a_float_mask_that_requires_grad_is_refused():
+    q, k, v = _t(1, 1, 4, 16), _t(1, 1, 6, 16), _t(1, 1, 6, 16)
+    mask = torch.zeros(4, 6, device=q.device, dtype=q.dtype, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="attn_mask that requires grad"):
+        scaled_dot_product_attention(q.requires_grad_(), k, v, attn_mask=mask)
     with torch.no_grad():
-        attention(q, _t(1, 1, 4, 16), _t(1, 1, 4, 16))
+        scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 # ---- GPU only -----------------------------------------------------------------------------------

@@ -292,3 +292,31 @@ def test_backward_gemms_compile_to_wgmma_and_fit(kernel, slope, gated):
     assert facts["wgmma"], facts
     assert facts["shared"] <= SMEM_LIMIT, facts
     assert facts["spill_store_bytes"] == 0, facts
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("kernel", ["attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"])
+def test_attention_backward_compiles_for_sm90(kernel, d):
+    """The attention backward kernels on the tiles the launch layer gives them (launch.backward_config):
+    they compile for sm_90a, fit shared memory, and feed wgmma where the tiles have 64 rows (d <= 128)."""
+    import importlib
+
+    from tilefuse.kernels.attention.launch import SMEM_LIMIT, backward_config
+
+    block_d = max(16, 1 << (d - 1).bit_length())
+    cfg = backward_config(block_d, 2, interpret=False)
+    consts = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, INPUT_PRECISION="tf32",
+                  UPCAST_DOT=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d)
+    params = importlib.import_module("tilefuse.kernels.attention.backward").__dict__[kernel].arg_names
+    for unit in ("stride_qd", "stride_kd", "stride_vd", "stride_dod", "stride_dkd", "stride_dvd", "stride_dqd"):
+        if unit in params:
+            consts[unit] = 1  # Triton specializes a unit stride at launch
+    sig = {"*": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "mask_ptr": "*fp32", "qk_scale": "fp32",
+           "scale": "fp32"}
+    aligned = tuple(a for a in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr", "dq_ptr", "stride_qm",
+                                "stride_kn", "stride_vn", "stride_dom", "stride_dkn", "stride_dvn", "stride_dqm")
+                    if a in params)
+    facts = compile_sm90("tilefuse.kernels.attention.backward", kernel, sig, consts, cfg["num_warps"],
+                         cfg["num_stages"], aligned=aligned)
+    assert facts["shared"] <= SMEM_LIMIT, facts
+    assert facts["wgmma"] == (cfg["BLOCK_M"] >= 64), facts

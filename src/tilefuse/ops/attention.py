@@ -1,4 +1,5 @@
-"""tilefuse.attention and tilefuse.scaled_dot_product_attention: FlashAttention forward (one kernel).
+"""tilefuse.attention and tilefuse.scaled_dot_product_attention: FlashAttention forward (one kernel) and
+backward (recomputation from the saved log-sum-exp).
 
 Both surfaces share one registered op (``tilefuse::attention``) and the attention family's launch
 layer. attention() aligns positions bottom-right (query row i sits at key position i + Nk - Nq, as
@@ -15,10 +16,11 @@ import torch
 
 from tilefuse import runtime
 from tilefuse.ops import _dispatch
-from tilefuse.ops._checks import check_no_grad_needed, check_same_device, check_same_dtype, check_tensor
+from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, grad_needed
 from tilefuse.reference import attention as ref_attention
 
 MAX_HEAD_DIM = 256
+MAX_GRID_Y_BACKWARD = 65535  # the backward kernels put batch * heads on the grid's second axis
 
 
 def _check_qkv_common(q, k, v, q_name="q", k_name="k", v_name="v", *, ndim=None, min_dim=2):
@@ -92,6 +94,89 @@ def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse)
     return _empty_outputs(q, return_lse)
 
 
+def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right):
+    path = runtime.execution_path(q)
+    Nq, Nk = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    pos_offset = Nk - Nq if bottom_right else 0
+    if path == runtime.REFERENCE or q.numel() == 0 or k.numel() == 0:
+        _dispatch.record_reference("attention_backward", path)
+        return ref_attention.attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
+                                             window_right)
+    runtime.check_triton()
+    from tilefuse.kernels.attention import launch
+    with _dispatch.on_device(q):
+        return launch.backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right,
+                               path)
+
+
+@torch.library.custom_op("tilefuse::attention_backward", mutates_args=())
+def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor, dlse: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+                           scale: Optional[float], bottom_right: bool, window_left: int,
+                           window_right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left,
+                                    window_right)
+
+
+@_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+def _setup_attention(ctx, inputs, output):
+    q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse = inputs
+    out, lse = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, mask, out, lse)
+    ctx.args = (scale, bottom_right, window_left, window_right)
+    ctx.has_lse = return_lse
+
+
+def _attention_backward(ctx, dout, dlse):
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    if not ctx.has_lse:
+        raise RuntimeError("tilefuse.attention: the backward needs the forward's log-sum-exp, which this call "
+                           "did not keep (it ran without grad)")
+    if dout is None and dlse is None:
+        return (None,) * 9
+    if dout is None:
+        dout = torch.zeros_like(out)
+    args = (dout, q, k, v, out, lse, dlse, mask, *ctx.args)
+    if _dispatch.direct(dout, q, k, v, out, lse, dlse, mask):
+        dq, dk, dv = _attention_backward_impl(*args)
+    else:
+        dq, dk, dv = _attention_backward_op(*args)
+    needs = ctx.needs_input_grad
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 6
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_setup_attention)
+
+
+def _check_trainable(name, q, heads, mask=None):
+    """What the backward cannot do, refused before the forward runs (no silent missing gradient)."""
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(f"tilefuse.{name}: a float attn_mask that requires grad has no gradient here; "
+                                  "detach it or pass a bool mask")
+    if heads > MAX_GRID_Y_BACKWARD:
+        raise NotImplementedError(f"tilefuse.{name} backward: batch * heads = {heads} is above "
+                                  f"{MAX_GRID_Y_BACKWARD} (the grid's second axis)")
+
+
+def _run(q, k, v, mask, scale, bottom_right, left, right, return_lse, name):
+    """The forward, through the op with its autograd when a gradient is needed (keeping the lse the
+    backward reads), else directly when the call is plain eager."""
+    if grad_needed(q, k, v):
+        _check_trainable(name, q, q.shape[0] * q.shape[1], mask)
+        return _attention_op(q, k, v, mask, scale, bottom_right, left, right, True)
+    _check_trainable(name, q, 0, mask)
+    if _dispatch.direct(q, k, v, mask):
+        return _attention_impl(q, k, v, mask, scale, bottom_right, left, right, return_lse)
+    return _attention_op(q, k, v, mask, scale, bottom_right, left, right, return_lse)
+
+
 _dispatch.register_autocast(_attention_op, (0, 1, 2, 3))  # q, k, v and a float mask: as torch's SDPA
 
 
@@ -107,8 +192,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``j <= p``; ``window=(left, right)`` keys ``p - left <= j <= p + right`` (-1: unbounded side;
     with causal, right = 0). A row that sees no key returns 0 (lse -inf). ``scale`` defaults to
     ``d ** -0.5``. ``return_lse=True`` returns ``(out, lse)``, lse fp32 ``[B, Hq, Nq]`` natural log.
-    d <= 256; fp16, bf16, fp32 (full fp32 dots unless ``allow_tf32``). Forward only; ``deterministic``
-    is accepted for the backward (the forward is deterministic: one program owns each output tile).
+    d <= 256; fp16, bf16, fp32 (full fp32 dots unless ``allow_tf32``). Differentiable in q, k and v
+    (and through lse): FlashAttention's backward, recomputing the scores tile by tile from the saved
+    lse, GQA gradients summed over each group on chip. Forward and backward use no atomics, so they are
+    deterministic whatever ``deterministic`` says (accepted for the API; it costs nothing here).
     Registered as ``torch.ops.tilefuse.attention``.
     """
     cast = _dispatch.autocast_dtype(q) if isinstance(q, torch.Tensor) else None
@@ -128,15 +215,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     _check_scale(scale)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    check_no_grad_needed("attention", q, k, v)
     left, right = tuple(window) if window is not None else (-1, -1)
     if causal:
         right = 0
     scale = None if scale is None else float(scale)
-    if _dispatch.direct(q, k, v):
-        out, lse = _attention_impl(q, k, v, None, scale, True, left, right, return_lse)
-    else:
-        out, lse = _attention_op(q, k, v, None, scale, True, left, right, return_lse)
+    out, lse = _run(q, k, v, None, scale, True, left, right, return_lse, "attention")
     return (out, lse) if return_lse else out
 
 
@@ -224,13 +307,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
                              f"attention weights' shape {score_shape}")
     _check_scale(scale)
-    check_no_grad_needed("scaled_dot_product_attention", query, key, value, attn_mask)
     q4, k4, v4 = _to_4d(query, q_shape), _to_4d(key, kv_shape), _to_4d(value, kv_shape)
     mask4 = _to_4d(attn_mask, score_shape) if attn_mask is not None else None
     scale = None if scale is None else float(scale)
     right = 0 if is_causal else -1
-    if _dispatch.direct(q4, k4, v4, mask4):
-        out, _ = _attention_impl(q4, k4, v4, mask4, scale, False, -1, right, False)
-    else:
-        out, _ = _attention_op(q4, k4, v4, mask4, scale, False, -1, right, False)
+    out, _ = _run(q4, k4, v4, mask4, scale, False, -1, right, False, "scaled_dot_product_attention")
     return out.reshape(out_shape)

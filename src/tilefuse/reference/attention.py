@@ -99,3 +99,33 @@ def attend(q, k, v, mask, scale, pos_offset, left, right):
     out, lse = _attend(q, k, v, scale, vis, mask)
     # lse in fp32 as the kernel returns it (kept fp64 when the reference runs in fp64)
     return out, (lse if lse.dtype == torch.float64 else lse.float())
+
+
+def attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, left, right):
+    """(dq, dk, dv) of :func:`attend` in closed form (custom ops run below autograd): P recomputed from
+    the forward's lse (rows that saw no key: P = 0), dS = P * (dP - (rowsum(dO * O) - dlse)), GQA
+    gradients summed over each group's query heads. In fp32 (fp64 stays fp64), cast to the inputs'
+    dtype."""
+    ct = torch.promote_types(q.dtype, torch.float32)
+    B, Hq, Nq, d = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    qf, kf, vf, of, dof = (t.to(ct) for t in (q, k, v, out, dout))
+    kr, vr = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+    s = (qf @ kr.transpose(-2, -1)) * scale
+    vis = visibility(Nq, k.shape[-2], pos_offset, left, right, q.device)
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(ct)
+    lse_c = lse.to(ct)[..., None]
+    p = torch.where(torch.isneginf(lse_c), torch.zeros_like(s), torch.exp(s - lse_c))
+    delta = (dof * of).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.to(ct)[..., None]
+    dp = dof @ vr.transpose(-2, -1)
+    ds = p * (dp - delta)
+    dq = (ds @ kr) * scale
+    dk = ((ds.transpose(-2, -1) @ qf) * scale).reshape(B, Hkv, group, *k.shape[2:]).sum(2)
+    dv = (p.transpose(-2, -1) @ dof).reshape(B, Hkv, group, *v.shape[2:]).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -267,3 +267,76 @@ def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return
     is_ws = isinstance(cfg, dict) and cfg.get("WARP_SPECIALIZE")
     launches.record("attention", path, "ws" if is_ws else "portable", lambda: tuning.describe(cfg))
     return out, lse
+
+
+# ---- backward --------------------------------------------------------------------------------------
+_BACKWARD = fastpath.Plans("attention_backward")
+
+
+def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
+    """Tiles of the backward kernels (backward.py): dK and dV (or dQ) accumulate [BLOCK, BLOCK_D] in fp32
+    beside the recomputed score tile, so wide heads take smaller tiles. The interpreter takes 64 x 64
+    (its cost is per program)."""
+    if interpret:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+    if elem_bytes == 4:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    if block_d <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    if block_d <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
+
+
+def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int, window_left: int,
+             window_right: int, path):
+    """(dq, dk, dv) of the attention op from dout [B, Hq, Nq, d] (any strides), the forward's q, k, v, out and
+    lse (fp32 [B, Hq, Nq], contiguous), dlse (the lse output's gradient, same layout) or None, and the
+    forward's mask and positions. dq/dk/dv contiguous in q's / k's / v's shapes, q's dtype."""
+    return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask), (scale, pos_offset, window_left, window_right),
+                         lambda: _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
+                                           window_right, path))
+
+
+def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path):
+    from tilefuse.kernels.attention.backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
+                                                     attention_bwd_rowdot_kernel)
+
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    interpret = path == runtime.INTERPRETER
+    block_d = max(16, next_pow2(d))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    if q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
+        precision = "ieee"
+    else:
+        precision = "tf32"
+    upcast = interpret and q.dtype == torch.bfloat16
+    rows = 64
+    fastpath.launch(attention_bwd_rowdot_kernel, (cdiv(Nq, rows), B * Hq), (
+        out, dout, dlse if dlse is not None else delta, delta, *out.stride(), *dout.stride(), Hq, Nq, d),
+        dict(HAS_DLSE=dlse is not None, BLOCK_M=rows, BLOCK_D=block_d))
+    has_mask = mask is not None
+    mask_is_bool = has_mask and mask.dtype == torch.bool
+    if mask_is_bool:
+        mask = mask.view(torch.uint8)
+    mask_strides = mask.stride() if has_mask else (0, 0, 0, 0)
+    mask_arg = mask if has_mask else delta
+    cfg = backward_config(block_d, q.element_size(), interpret)
+    flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_MASK=has_mask,
+                 MASK_IS_BOOL=mask_is_bool, INPUT_PRECISION=precision, UPCAST_DOT=upcast, BLOCK_D=block_d, **cfg)
+    positions = (scale * LOG2E, scale, pos_offset, max(window_left, 0), max(window_right, 0))
+    fastpath.launch(attention_bwd_dkdv_kernel, (cdiv(Nk, cfg["BLOCK_N"]), B * Hkv), (
+        q, k, v, dout, lse, delta, mask_arg, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *dk.stride(), *dv.stride(),
+        Hq, Hkv, Nq, Nk, d, Hq // Hkv, *positions), flags)
+    fastpath.launch(attention_bwd_dq_kernel, (cdiv(Nq, cfg["BLOCK_M"]), B * Hq), (
+        q, k, v, dout, lse, delta, mask_arg, dq,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *dq.stride(),
+        Hq, Nq, Nk, d, Hq // Hkv, *positions), flags)
+    launches.record("attention_backward", path, "portable: rowdot, dk/dv, dq (no atomics)",
+                    lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']}")
+    return dq, dk, dv

@@ -1,0 +1,247 @@
+"""FlashAttention backward with recomputation: no [Nq, Nk] matrix is stored or written.
+
+The forward keeps only its output O and the log-sum-exp per query row; here S and P are recomputed tile
+by tile (more FLOPs, far fewer bytes: FlashAttention's trade). With D = rowsum(dO * O) (minus dlse when
+the lse output carries a gradient):
+    P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = scale * dS K,  dK = scale * dS^T Q.
+Three kernels, none with atomics, so the gradients are bit-identical run to run:
+- ``attention_bwd_rowdot_kernel``: D per query row (reads dO and O once).
+- ``attention_bwd_dkdv_kernel``: one program per (key block, batch, KV head) walks the query blocks that
+  see its keys, for every query head of its GQA group, accumulating dK and dV in registers (the group's
+  sum happens on chip).
+- ``attention_bwd_dq_kernel``: one program per (query block, batch, query head) walks its key tiles
+  (the forward's ranges) accumulating dQ.
+HBM bytes (element size s): Q, K, V, O, dO read (dkdv: Q, dO once per KV head group member; dq: K, V
+once per query block row band from L2), dQ, dK, dV written, lse and D (8 bytes per row): against eager
+autograd's >= 4 * B*Hq*Nq*Nk*s for S, P, dP, dS. Masks (bool or additive), causal and windows as the
+forward; any Nq, Nk and head dim <= 256 (padded to a power of two and masked). Scores live in the log2
+domain (scale * log2(e) folded into qk_scale), as in the forward.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tilefuse.kernels.attention.common import key_tile_ranges
+
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
+MASK_FLOOR = tl.constexpr(-2.3e38)  # as the forward: a finite additive mask stays finite in the log2 domain
+
+
+@triton.jit
+def attention_bwd_rowdot_kernel(
+    o_ptr, do_ptr, dlse_ptr, delta_ptr,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H_Q, N_Q, HEAD_DIM,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta[b, h, m] = sum_d dO * O - dlse (fp32): the row term of dS = P * (dP - delta)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < N_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    rows = pid_bh.to(tl.int64) * N_Q + offs_m
+    if HAS_DLSE:
+        delta = delta - tl.load(dlse_ptr + rows, mask=offs_m < N_Q, other=0.0)
+    tl.store(delta_ptr + rows, delta, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _probabilities(s, lse2, offs_m, offs_n, pos_m, N_Q, N_K, window_left, window_right, mask_tile,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
+                   MASK_IS_BOOL: tl.constexpr):
+    """P for a [rows, keys] score tile in the log2 domain (s already scaled): bounds, window and mask as
+    the forward applies them, then exp2(s - lse2). ``lse2`` is +inf on rows that saw no key, so P = 0."""
+    visible = (offs_m < N_Q)[:, None] & (offs_n < N_K)[None, :]
+    if HAS_LEFT:
+        visible = visible & (offs_n[None, :] >= pos_m[:, None] - window_left)
+    if HAS_RIGHT:
+        visible = visible & (offs_n[None, :] <= pos_m[:, None] + window_right)
+    if HAS_MASK:
+        if MASK_IS_BOOL:
+            visible = visible & (mask_tile != 0)
+        else:
+            mvals = mask_tile.to(tl.float32)
+            s = s + tl.where(mvals == float("-inf"), float("-inf"), tl.maximum(mvals, MASK_FLOOR) * LOG2E)
+    s = tl.where(visible, s, float("-inf"))
+    return tl.math.exp2(s - lse2[:, None])
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_K", "HEAD_DIM", "pos_offset", "window_left", "window_right"])
+def attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_maskb, stride_maskh, stride_maskm, stride_maskn,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H_Q, H_KV, N_Q, N_K, HEAD_DIM, GROUP,
+    qk_scale, scale, pos_offset, window_left, window_right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # b * H_KV + h_kv
+    b = pid_bh // H_KV
+    h_kv = pid_bh % H_KV
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < N_K
+    mask_d = offs_d < HEAD_DIM
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_ptr + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+                + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+                + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    op_dtype = k.dtype
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    # Query rows whose window reaches this key block: row i sees key j when
+    # i + pos_offset - left <= j <= i + pos_offset + right.
+    m_lo = 0
+    m_hi = N_Q
+    if HAS_RIGHT:
+        m_lo = tl.maximum(n0 - pos_offset - window_right, 0)
+    if HAS_LEFT:
+        m_hi = tl.minimum(tl.maximum(n0 + BLOCK_N - 1 + window_left - pos_offset + 1, 0), N_Q)
+    m_lo = (m_lo // BLOCK_M) * BLOCK_M
+
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    offs_m_base = tl.arange(0, BLOCK_M)
+    for g in range(0, GROUP):
+        h = h_kv * GROUP + g
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        rows_base = (b * H_Q + h).to(tl.int64) * N_Q
+        mask_base = mask_ptr + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
+        for m0 in range(m_lo, m_hi, BLOCK_M):
+            offs_m = m0 + offs_m_base
+            mask_m = offs_m < N_Q
+            qm = mask_m[:, None] & mask_d[None, :]
+            q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qm,
+                        other=0.0)
+            do = tl.load(do_base + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                         mask=qm, other=0.0)
+            lse = tl.load(lse_ptr + rows_base + offs_m, mask=mask_m, other=float("-inf"))
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+            delta = tl.load(delta_ptr + rows_base + offs_m, mask=mask_m, other=0.0)
+            if UPCAST_DOT:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            mask_tile = 0
+            if HAS_MASK:
+                mask_tile = tl.load(mask_base + offs_m.to(tl.int64)[:, None] * stride_maskm
+                                    + offs_n[None, :] * stride_maskn,
+                                    mask=mask_m[:, None] & mask_n[None, :], other=0)
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]
+            p = _probabilities(s, lse2, offs_m, offs_n, offs_m + pos_offset, N_Q, N_K, window_left,
+                               window_right, mask_tile, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL)
+            p_op = p.to(op_dtype)
+            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)                # [BLOCK_M, BLOCK_N]
+            ds = p * (dp - delta[:, None])
+            ds_op = ds.to(op_dtype)
+            if UPCAST_DOT:
+                p_op = p_op.to(tl.float32)
+                ds_op = ds_op.to(tl.float32)
+            dv = tl.dot(tl.trans(p_op), do, dv, input_precision=INPUT_PRECISION)
+            dk = tl.dot(tl.trans(ds_op), q, dk, input_precision=INPUT_PRECISION)
+
+    dk = dk * scale
+    tl.store(dk_ptr + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh
+             + offs_n.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh
+             + offs_n.to(tl.int64)[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+             dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_K", "HEAD_DIM", "pos_offset", "window_left", "window_right"])
+def attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, dq_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_maskb, stride_maskh, stride_maskm, stride_maskn,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H_Q, N_Q, N_K, HEAD_DIM, GROUP,
+    qk_scale, scale, pos_offset, window_left, window_right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # b * H_Q + h
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    h_kv = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < N_Q
+    mask_d = offs_d < HEAD_DIM
+    qm = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+                + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qm, other=0.0)
+    do = tl.load(do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qm, other=0.0)
+    op_dtype = q.dtype
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    rows = pid_bh.to(tl.int64) * N_Q + offs_m
+    lse = tl.load(lse_ptr + rows, mask=mask_m, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    delta = tl.load(delta_ptr + rows, mask=mask_m, other=0.0)
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    mask_base = (mask_ptr + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
+                 + offs_m.to(tl.int64)[:, None] * stride_maskm)
+    lo_tile, hi, _, _ = key_tile_ranges(m0, BLOCK_M, N_Q, N_K, pos_offset, window_left, window_right,
+                                        HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    offs_n_base = tl.arange(0, BLOCK_N)
+    for n0 in range(lo_tile, hi, BLOCK_N):
+        offs_n = n0 + offs_n_base
+        mask_n = offs_n < N_K
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
+                    other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
+                    other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        mask_tile = 0
+        if HAS_MASK:
+            mask_tile = tl.load(mask_base + offs_n[None, :] * stride_maskn, mask=mask_m[:, None] & mask_n[None, :],
+                                other=0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        p = _probabilities(s, lse2, offs_m, offs_n, offs_m + pos_offset, N_Q, N_K, window_left, window_right,
+                           mask_tile, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds_op = (p * (dp - delta[:, None])).to(op_dtype)
+        if UPCAST_DOT:
+            ds_op = ds_op.to(tl.float32)
+        dq = tl.dot(ds_op, k, dq, input_precision=INPUT_PRECISION)
+    dq = dq * scale
+    tl.store(dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+             + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+             dq.to(dq_ptr.dtype.element_ty), mask=qm)
