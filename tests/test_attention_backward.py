@@ -163,3 +163,43 @@ def test_a_training_step_of_a_tiny_block_matches_sdpa(device):
     tol = 1e-2 if DTYPE == torch.bfloat16 else 1e-4
     for ours, theirs in zip(*losses):
         assert abs(ours - theirs) <= tol * abs(theirs), losses
+
+
+@pytest.mark.parametrize("path", ["kernels"] if ON_GPU else ["kernels", "reference"])
+@pytest.mark.parametrize("softcap,alibi_shape", [(5.0, None), (None, "h"), (3.0, "bh")])
+def test_softcap_and_alibi_forward_and_backward(device, monkeypatch, path, softcap, alibi_shape):
+    """Gemma 2's soft-capping and ALiBi slopes with GQA and a causal window, forward and gradients, against
+    the float64 math; on the CPU also on the plain-PyTorch path (the closed-form backward)."""
+    if path == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = _r(2, 4, N, 32, device=device) * 3  # large scores, so the cap saturates somewhere
+    k, v = _r(2, 2, N + 5, 32, seed=1, device=device), _r(2, 2, N + 5, 32, seed=2, device=device)
+    g = torch.Generator().manual_seed(9)
+    slopes = None if alibi_shape is None else torch.rand(*((4,) if alibi_shape == "h" else (2, 4)), generator=g).to(device)
+    do = _r(2, 4, N, 32, seed=3, device=device)
+    leaves = _leaves(q, k, v)
+    out = tilefuse.attention(*leaves, causal=True, window=(17, -1), softcap=softcap, alibi_slopes=slopes)
+    out.backward(do)
+    fn = lambda q, k, v: ref_attention.attention(q, k, v, causal=True, window=(17, -1), softcap=softcap,  # noqa: E731
+                                                 alibi_slopes=None if slopes is None else slopes.double())
+    ref_out = fn(*(t.double() for t in (q, k, v)))
+    assert_close(out, ref_out, BOUND, "out")
+    for got, exp, name in zip(leaves, _grads64(fn, (q, k, v), (do,)), "qkv"):
+        assert_close(got.grad, exp, BOUND, f"d{name}")
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes must have shape"),
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError, "alibi_slopes has dtype"),
+    (dict(alibi_slopes=[0.5, 0.5]), TypeError, "alibi_slopes must be a torch.Tensor"),
+    (dict(alibi_slopes=torch.ones(2, requires_grad=True)), NotImplementedError, "no gradient"),
+])
+def test_bad_modifiers_are_refused(device, kwargs, exc, match):
+    q = _r(1, 2, 4, 16, device=device)
+    kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) and not v.requires_grad else v) for k, v in kwargs.items()}
+    if "alibi_slopes" in kwargs and isinstance(kwargs["alibi_slopes"], torch.Tensor) and kwargs["alibi_slopes"].requires_grad:
+        kwargs["alibi_slopes"] = torch.ones(2, device=device, requires_grad=True)
+    with pytest.raises(exc, match=match):
+        tilefuse.attention(q, q, q, **kwargs)

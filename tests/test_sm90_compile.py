@@ -100,7 +100,7 @@ def test_first_kept_attention_config_with_a_mask_fits_shared_memory(mask_type, u
     q = torch.empty(1, dtype=torch.float16)
     first = att._prune(att.GPU_CONFIGS, {"q_ptr": q}, BLOCK_D=128, USE_DESC=use_desc, HAS_MASK=True)[0]
     for cfg in (first, att.heuristic_config(128, 2)):
-        consts = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=True, MASK_IS_BOOL=mask_type == "*u8",
+        consts = dict(HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=True, MASK_IS_BOOL=mask_type == "*u8",
                       STORE_LSE=False, EVEN_D=True, USE_DESC=use_desc, INPUT_PRECISION="tf32",
                       UPCAST_DOT=False, BLOCK_M=cfg.kwargs["BLOCK_M"], BLOCK_N=cfg.kwargs["BLOCK_N"], BLOCK_D=128)
         facts = compile_sm90("tilefuse.kernels.attention.portable", "attention_fwd_kernel",
@@ -149,7 +149,7 @@ def test_fp32_ieee_attention_tile_does_not_spill():
     cfg = att._prune(att.attention_fwd_tuned.configs, {"q_ptr": q}, BLOCK_D=128, USE_DESC=False,
                      HAS_MASK=False, INPUT_PRECISION="ieee")[0]
     assert cfg is att.heuristic_config(128, 4, "ieee")
-    consts = dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, STORE_LSE=True, EVEN_D=True,
+    consts = dict(HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_LEFT=True, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, STORE_LSE=True, EVEN_D=True,
                   USE_DESC=False, INPUT_PRECISION="ieee", UPCAST_DOT=False, BLOCK_D=128, **cfg.kwargs)
     facts = compile_sm90("tilefuse.kernels.attention.portable", "attention_fwd_kernel", {"*": "*fp32"}, consts,
                          cfg.num_warps, cfg.num_stages)
@@ -203,7 +203,7 @@ def test_register_capped_attention_tiles_fit_more_ctas_per_sm(block_d, causal):
     capped = [c for c in kept if c.maxnreg is not None]
     assert len(capped) == 1, kept
     cfg = capped[0]
-    consts = dict(HAS_LEFT=False, HAS_RIGHT=causal, HAS_MASK=False, MASK_IS_BOOL=False, STORE_LSE=False,
+    consts = dict(HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_LEFT=False, HAS_RIGHT=causal, HAS_MASK=False, MASK_IS_BOOL=False, STORE_LSE=False,
                   EVEN_D=True, USE_DESC=True, INPUT_PRECISION="tf32", UPCAST_DOT=False,
                   BLOCK_M=cfg.kwargs["BLOCK_M"], BLOCK_N=cfg.kwargs["BLOCK_N"], BLOCK_D=block_d)
     aligned = tuple(f"stride_{t}{a}" for t in "qkvo" for a in ("b", "h", "m" if t in "qo" else "n"))
@@ -305,7 +305,7 @@ def test_attention_backward_compiles_for_sm90(kernel, d):
 
     block_d = max(16, 1 << (d - 1).bit_length())
     cfg = backward_config(block_d, 2, interpret=False)
-    consts = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, INPUT_PRECISION="tf32",
+    consts = dict(HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, INPUT_PRECISION="tf32",
                   UPCAST_DOT=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d)
     params = importlib.import_module("tilefuse.kernels.attention.backward").__dict__[kernel].arg_names
     for unit in ("stride_qd", "stride_kd", "stride_vd", "stride_dod", "stride_dkd", "stride_dvd", "stride_dqd"):

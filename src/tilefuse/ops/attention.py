@@ -53,10 +53,12 @@ def _empty_outputs(q, return_lse):
     return out, lse
 
 
-def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, kernel="auto"):
+def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap=None,
+                    alibi=None, kernel="auto"):
     """(out, lse) for 4-D q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], mask None or a view of
-    [B, Hq, Nq, Nk]; lse is an empty tensor without ``return_lse``. ``kernel`` forces a kernel of the
-    launch layer (its ``KERNELS``); the registered op always takes "auto"."""
+    [B, Hq, Nq, Nk], alibi None or fp32 slopes viewed as [B, Hq]; lse is an empty tensor without
+    ``return_lse``. ``kernel`` forces a kernel of the launch layer (its ``KERNELS``); the registered op
+    always takes "auto"."""
     path = runtime.execution_path(q)
     Nq, Nk = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -70,7 +72,8 @@ def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_righ
     if path == runtime.REFERENCE:
         _dispatch.record_reference("attention", path)
         out, lse = _empty_outputs(q, return_lse)
-        ref, ref_lse = ref_attention.attend(q, k, v, mask, scale, pos_offset, window_left, window_right)
+        ref, ref_lse = ref_attention.attend(q, k, v, mask, scale, pos_offset, window_left, window_right, softcap,
+                                            alibi)
         out.copy_(ref)
         if return_lse:
             lse.copy_(ref_lse)
@@ -79,22 +82,24 @@ def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_righ
     from tilefuse.kernels.attention import launch  # imports triton: only once a kernel is to run
     with _dispatch.on_device(q):
         return launch.forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path,
-                              kernel=kernel)
+                              kernel=kernel, softcap=softcap, alibi=alibi)
 
 
 @torch.library.custom_op("tilefuse::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                   scale: Optional[float], bottom_right: bool, window_left: int, window_right: int,
-                  return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse)
+                  return_lse: bool, softcap: Optional[float] = None,
+                  alibi: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi)
 
 
 @_attention_op.register_fake
-def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse):
+def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap=None, alibi=None):
     return _empty_outputs(q, return_lse)
 
 
-def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right):
+def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right,
+                             softcap=None, alibi=None):
     path = runtime.execution_path(q)
     Nq, Nk = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -102,54 +107,57 @@ def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_
     if path == runtime.REFERENCE or q.numel() == 0 or k.numel() == 0:
         _dispatch.record_reference("attention_backward", path)
         return ref_attention.attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
-                                             window_right)
+                                             window_right, softcap, alibi)
     runtime.check_triton()
     from tilefuse.kernels.attention import launch
     with _dispatch.on_device(q):
         return launch.backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right,
-                               path)
+                               path, softcap, alibi)
 
 
 @torch.library.custom_op("tilefuse::attention_backward", mutates_args=())
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, dlse: Optional[torch.Tensor], mask: Optional[torch.Tensor],
                            scale: Optional[float], bottom_right: bool, window_left: int,
-                           window_right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           window_right: int, softcap: Optional[float] = None,
+                           alibi: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left,
-                                    window_right)
+                                    window_right, softcap, alibi)
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right):
+def _(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right, softcap=None, alibi=None):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
 def _setup_attention(ctx, inputs, output):
-    q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse = inputs
+    q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi = (
+        *inputs, *(None,) * (11 - len(inputs)))
     out, lse = output
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, mask, out, lse)
-    ctx.args = (scale, bottom_right, window_left, window_right)
+    ctx.save_for_backward(q, k, v, mask, out, lse, alibi)
+    ctx.args = (scale, bottom_right, window_left, window_right, softcap)
     ctx.has_lse = return_lse
+    ctx.n_inputs = len(inputs)
 
 
 def _attention_backward(ctx, dout, dlse):
-    q, k, v, mask, out, lse = ctx.saved_tensors
+    q, k, v, mask, out, lse, alibi = ctx.saved_tensors
     if not ctx.has_lse:
         raise RuntimeError("tilefuse.attention: the backward needs the forward's log-sum-exp, which this call "
                            "did not keep (it ran without grad)")
     if dout is None and dlse is None:
-        return (None,) * 9
+        return (None,) * ctx.n_inputs
     if dout is None:
         dout = torch.zeros_like(out)
-    args = (dout, q, k, v, out, lse, dlse, mask, *ctx.args)
-    if _dispatch.direct(dout, q, k, v, out, lse, dlse, mask):
+    args = (dout, q, k, v, out, lse, dlse, mask, *ctx.args, alibi)
+    if _dispatch.direct(dout, q, k, v, out, lse, dlse, mask, alibi):
         dq, dk, dv = _attention_backward_impl(*args)
     else:
         dq, dk, dv = _attention_backward_op(*args)
     needs = ctx.needs_input_grad
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 6
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * (ctx.n_inputs - 3)
 
 
 _attention_op.register_autograd(_attention_backward, setup_context=_setup_attention)
@@ -165,16 +173,16 @@ def _check_trainable(name, q, heads, mask=None):
                                   f"{MAX_GRID_Y_BACKWARD} (the grid's second axis)")
 
 
-def _run(q, k, v, mask, scale, bottom_right, left, right, return_lse, name):
+def _run(q, k, v, mask, scale, bottom_right, left, right, return_lse, name, softcap=None, alibi=None):
     """The forward, through the op with its autograd when a gradient is needed (keeping the lse the
     backward reads), else directly when the call is plain eager."""
     if grad_needed(q, k, v):
         _check_trainable(name, q, q.shape[0] * q.shape[1], mask)
-        return _attention_op(q, k, v, mask, scale, bottom_right, left, right, True)
+        return _attention_op(q, k, v, mask, scale, bottom_right, left, right, True, softcap, alibi)
     _check_trainable(name, q, 0, mask)
-    if _dispatch.direct(q, k, v, mask):
-        return _attention_impl(q, k, v, mask, scale, bottom_right, left, right, return_lse)
-    return _attention_op(q, k, v, mask, scale, bottom_right, left, right, return_lse)
+    if _dispatch.direct(q, k, v, mask, alibi):
+        return _attention_impl(q, k, v, mask, scale, bottom_right, left, right, return_lse, softcap, alibi)
+    return _attention_op(q, k, v, mask, scale, bottom_right, left, right, return_lse, softcap, alibi)
 
 
 _dispatch.register_autocast(_attention_op, (0, 1, 2, 3))  # q, k, v and a float mask: as torch's SDPA
@@ -182,8 +190,8 @@ _dispatch.register_autocast(_attention_op, (0, 1, 2, 3))  # q, k, v and a float 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               window: tuple[int, int] | None = None, scale: float | None = None,
-              return_lse: bool = False,
-              deterministic: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              return_lse: bool = False, deterministic: bool = False, softcap: float | None = None,
+              alibi_slopes: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward: ``softmax(q k^T * scale) v`` without materialising the scores.
 
     q: ``[B, Hq, Nq, d]``; k, v: ``[B, Hkv, Nk, d]`` with ``Hq % Hkv == 0`` (query head h reads KV
@@ -196,7 +204,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (and through lse): FlashAttention's backward, recomputing the scores tile by tile from the saved
     lse, GQA gradients summed over each group on chip. Forward and backward use no atomics, so they are
     deterministic whatever ``deterministic`` says (accepted for the API; it costs nothing here).
-    Registered as ``torch.ops.tilefuse.attention``.
+    ``softcap``: Gemma 2's soft-capping, ``softcap * tanh(s / softcap)`` on the scaled scores s.
+    ``alibi_slopes``: fp32 ``[Hq]`` or ``[B, Hq]``, adds ``-slope * |p - j|`` (p the query's bottom-right
+    aligned position, FlashAttention's convention) after the cap; both compose with causal, windows and
+    GQA, forward and backward (the slopes get no gradient). Registered as ``torch.ops.tilefuse.attention``.
     """
     cast = _dispatch.autocast_dtype(q) if isinstance(q, torch.Tensor) else None
     if cast is not None:  # as torch's SDPA under autocast
@@ -215,12 +226,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     _check_scale(scale)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    softcap, alibi = _check_modifiers(q, softcap, alibi_slopes)
     left, right = tuple(window) if window is not None else (-1, -1)
     if causal:
         right = 0
     scale = None if scale is None else float(scale)
-    out, lse = _run(q, k, v, None, scale, True, left, right, return_lse, "attention")
+    out, lse = _run(q, k, v, None, scale, True, left, right, return_lse, "attention", softcap, alibi)
     return (out, lse) if return_lse else out
+
+
+def _check_modifiers(q, softcap, alibi_slopes):
+    """(softcap as a float or None, the slopes viewed as [B, Hq] or None), checked."""
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+                or softcap <= 0:
+            raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+        softcap = float(softcap)
+    if alibi_slopes is None:
+        return softcap, None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes has dtype {alibi_slopes.dtype}; expected float32")
+    check_same_device("alibi_slopes", alibi_slopes, "q", q)
+    B, Hq = q.shape[0], q.shape[1]
+    if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+        raise ValueError(f"alibi_slopes must have shape [{Hq}] or [{B}, {Hq}] (q's [Hq] or [B, Hq]), got "
+                         f"{list(alibi_slopes.shape)}")
+    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("tilefuse.attention: alibi_slopes get no gradient; pass them detached")
+    return softcap, alibi_slopes.expand(B, Hq)
 
 
 def _broadcast_shape(*shapes) -> tuple | None:

@@ -39,9 +39,22 @@ def visibility(n_q: int, n_k: int, pos_offset: int, left: int, right: int, devic
     return vis
 
 
-def _attend(q, k, v, scale, vis, mask):
+def modify_scores(s, softcap=None, alibi=None, pos_offset=0):
+    """Gemma 2's soft-capping ``softcap * tanh(s / softcap)``, then ALiBi's ``-slope * |p - j|`` (alibi
+    [B, Hq] slopes, p = i + pos_offset) on scaled scores s [B, Hq, rows, Nk] whose rows start at row 0."""
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        pos = torch.arange(s.shape[-2], device=s.device)[:, None] + pos_offset
+        dist = (pos - torch.arange(s.shape[-1], device=s.device)[None, :]).abs().to(s.dtype)
+        s = s - alibi.to(s.dtype)[..., None, None] * dist
+    return s
+
+
+def _attend(q, k, v, scale, vis, mask, softcap=None, alibi=None, pos_offset=0):
     """q [..., Nq, d], k/v [..., Nk, d] (broadcastable batch dims); vis [Nq, Nk] or None; mask
-    (bool or additive) broadcastable to [..., Nq, Nk] or None. Returns (out, lse)."""
+    (bool or additive) broadcastable to [..., Nq, Nk] or None; the score modifiers as
+    :func:`modify_scores`. Returns (out, lse)."""
     n_q, n_k = q.shape[-2], k.shape[-2]
     rows_total = q.numel() // max(q.shape[-1], 1)
     step = _rows_per_chunk(rows_total, n_q, n_k, q.element_size())
@@ -49,6 +62,8 @@ def _attend(q, k, v, scale, vis, mask):
     for r0 in range(0, n_q, step):
         r1 = min(n_q, r0 + step)
         s = (q[..., r0:r1, :] @ k.transpose(-2, -1)) * scale
+        if softcap is not None or alibi is not None:
+            s = modify_scores(s, softcap, alibi, pos_offset + r0)
         if vis is not None:
             s = s.masked_fill(~vis[r0:r1], float("-inf"))
         if mask is not None:
@@ -59,13 +74,16 @@ def _attend(q, k, v, scale, vis, mask):
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
-def attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, deterministic=False):
-    """tilefuse.attention's semantics: GQA by repeat_interleave, bottom-right aligned causal/window."""
+def attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, deterministic=False, softcap=None,
+              alibi_slopes=None):
+    """tilefuse.attention's semantics: GQA by repeat_interleave, bottom-right aligned causal/window,
+    softcap and ALiBi slopes ([Hq] or [B, Hq])."""
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out, lse = attend(q, k, v, None, scale, k.shape[-2] - q.shape[-2], left, right)
+    alibi = None if alibi_slopes is None else alibi_slopes.expand(q.shape[0], q.shape[1])
+    out, lse = attend(q, k, v, None, scale, k.shape[-2] - q.shape[-2], left, right, softcap, alibi)
     return (out, lse) if return_lse else out
 
 
@@ -86,7 +104,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return _attend(query, key, value, scale, vis, attn_mask)[0]
 
 
-def attend(q, k, v, mask, scale, pos_offset, left, right):
+def attend(q, k, v, mask, scale, pos_offset, left, right, softcap=None, alibi=None):
     """The math behind tilefuse's attention op on 4-D inputs: q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d]
     (GQA by repeat_interleave), query row i at key position i + pos_offset seeing keys
     p - left <= j <= p + right (negative: unbounded), mask None or broadcastable to [B, Hq, Nq, Nk].
@@ -96,12 +114,12 @@ def attend(q, k, v, mask, scale, pos_offset, left, right):
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     vis = visibility(q.shape[-2], k.shape[-2], pos_offset, left, right, q.device)
-    out, lse = _attend(q, k, v, scale, vis, mask)
+    out, lse = _attend(q, k, v, scale, vis, mask, softcap, alibi, pos_offset)
     # lse in fp32 as the kernel returns it (kept fp64 when the reference runs in fp64)
     return out, (lse if lse.dtype == torch.float64 else lse.float())
 
 
-def attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, left, right):
+def attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, left, right, softcap=None, alibi=None):
     """(dq, dk, dv) of :func:`attend` in closed form (custom ops run below autograd): P recomputed from
     the forward's lse (rows that saw no key: P = 0), dS = P * (dP - (rowsum(dO * O) - dlse)), GQA
     gradients summed over each group's query heads. In fp32 (fp64 stays fp64), cast to the inputs'
@@ -112,7 +130,8 @@ def attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, left
     group = Hq // Hkv
     qf, kf, vf, of, dof = (t.to(ct) for t in (q, k, v, out, dout))
     kr, vr = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
-    s = (qf @ kr.transpose(-2, -1)) * scale
+    raw = (qf @ kr.transpose(-2, -1)) * scale
+    s = modify_scores(raw, softcap, alibi, pos_offset)
     vis = visibility(Nq, k.shape[-2], pos_offset, left, right, q.device)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
@@ -125,6 +144,8 @@ def attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, left
         delta = delta - dlse.to(ct)[..., None]
     dp = dof @ vr.transpose(-2, -1)
     ds = p * (dp - delta)
+    if softcap is not None:
+        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
     dq = (ds @ kr) * scale
     dk = ((ds.transpose(-2, -1) @ qf) * scale).reshape(B, Hkv, group, *k.shape[2:]).sum(2)
     dv = (p.transpose(-2, -1) @ dof).reshape(B, Hkv, group, *v.shape[2:]).sum(2)

@@ -3,7 +3,9 @@
 The forward keeps only its output O and the log-sum-exp per query row; here S and P are recomputed tile
 by tile (more FLOPs, far fewer bytes: FlashAttention's trade). With D = rowsum(dO * O) (minus dlse when
 the lse output carries a gradient):
-    P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = scale * dS K,  dK = scale * dS^T Q.
+    P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = scale * dS K,  dK = scale * dS^T Q,
+with dS times 1 - tanh^2 under Gemma 2's soft-capping (S = cap * tanh(scale * q.k / cap)); ALiBi's bias is
+a constant of q and k.
 Three kernels, none with atomics, so the gradients are bit-identical run to run:
 - ``attention_bwd_rowdot_kernel``: D per query row (reads dO and O once).
 - ``attention_bwd_dkdv_kernel``: one program per (key block, batch, KV head) walks the query blocks that
@@ -22,7 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tilefuse.kernels.attention.common import key_tile_ranges
+from tilefuse.kernels.activations import tanh
+from tilefuse.kernels.attention.common import key_tile_ranges, score_modifiers
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -58,10 +61,17 @@ def attention_bwd_rowdot_kernel(
 
 @triton.jit
 def _probabilities(s, lse2, offs_m, offs_n, pos_m, N_Q, N_K, window_left, window_right, mask_tile,
+                   softcap_log2, alibi_log2,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
-                   MASK_IS_BOOL: tl.constexpr):
-    """P for a [rows, keys] score tile in the log2 domain (s already scaled): bounds, window and mask as
-    the forward applies them, then exp2(s - lse2). ``lse2`` is +inf on rows that saw no key, so P = 0."""
+                   MASK_IS_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """(P, the softcap's chain factor 1 - tanh^2) for a [rows, keys] tile of scaled scores ``s`` (divided by
+    the cap with HAS_SOFTCAP): the forward's score modifiers, bounds, window and mask, then
+    exp2(s - lse2). ``lse2`` is +inf on rows that saw no key, so P = 0. The factor is 1 without a cap."""
+    chain = 1.0
+    if HAS_SOFTCAP:
+        t = tanh(s)
+        chain = 1.0 - t * t
+    s = score_modifiers(s, pos_m, offs_n, softcap_log2, alibi_log2, HAS_SOFTCAP, HAS_ALIBI)
     visible = (offs_m < N_Q)[:, None] & (offs_n < N_K)[None, :]
     if HAS_LEFT:
         visible = visible & (offs_n[None, :] >= pos_m[:, None] - window_left)
@@ -74,7 +84,7 @@ def _probabilities(s, lse2, offs_m, offs_n, pos_m, N_Q, N_K, window_left, window
             mvals = mask_tile.to(tl.float32)
             s = s + tl.where(mvals == float("-inf"), float("-inf"), tl.maximum(mvals, MASK_FLOOR) * LOG2E)
     s = tl.where(visible, s, float("-inf"))
-    return tl.math.exp2(s - lse2[:, None])
+    return tl.math.exp2(s - lse2[:, None]), chain
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "HEAD_DIM", "pos_offset", "window_left", "window_right"])
@@ -89,7 +99,9 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H_Q, H_KV, N_Q, N_K, HEAD_DIM, GROUP,
     qk_scale, scale, pos_offset, window_left, window_right,
+    softcap_log2, alibi_ptr, stride_alibi_b, stride_alibi_h,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -131,6 +143,9 @@ def attention_bwd_dkdv_kernel(
         do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
         rows_base = (b * H_Q + h).to(tl.int64) * N_Q
         mask_base = mask_ptr + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
+        alibi_log2 = 0.0
+        if HAS_ALIBI:
+            alibi_log2 = tl.load(alibi_ptr + b.to(tl.int64) * stride_alibi_b + h.to(tl.int64) * stride_alibi_h) * LOG2E
         for m0 in range(m_lo, m_hi, BLOCK_M):
             offs_m = m0 + offs_m_base
             mask_m = offs_m < N_Q
@@ -151,11 +166,12 @@ def attention_bwd_dkdv_kernel(
                                     + offs_n[None, :] * stride_maskn,
                                     mask=mask_m[:, None] & mask_n[None, :], other=0)
             s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]
-            p = _probabilities(s, lse2, offs_m, offs_n, offs_m + pos_offset, N_Q, N_K, window_left,
-                               window_right, mask_tile, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL)
+            p, chain = _probabilities(s, lse2, offs_m, offs_n, offs_m + pos_offset, N_Q, N_K, window_left,
+                                      window_right, mask_tile, softcap_log2, alibi_log2, HAS_LEFT, HAS_RIGHT,
+                                      HAS_MASK, MASK_IS_BOOL, HAS_SOFTCAP, HAS_ALIBI)
             p_op = p.to(op_dtype)
             dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)                # [BLOCK_M, BLOCK_N]
-            ds = p * (dp - delta[:, None])
+            ds = p * (dp - delta[:, None]) * chain
             ds_op = ds.to(op_dtype)
             if UPCAST_DOT:
                 p_op = p_op.to(tl.float32)
@@ -183,7 +199,9 @@ def attention_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H_Q, N_Q, N_K, HEAD_DIM, GROUP,
     qk_scale, scale, pos_offset, window_left, window_right,
+    softcap_log2, alibi_ptr, stride_alibi_b, stride_alibi_h,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -216,6 +234,9 @@ def attention_bwd_dq_kernel(
                  + offs_m.to(tl.int64)[:, None] * stride_maskm)
     lo_tile, hi, _, _ = key_tile_ranges(m0, BLOCK_M, N_Q, N_K, pos_offset, window_left, window_right,
                                         HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    alibi_log2 = 0.0
+    if HAS_ALIBI:
+        alibi_log2 = tl.load(alibi_ptr + b.to(tl.int64) * stride_alibi_b + h.to(tl.int64) * stride_alibi_h) * LOG2E
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     offs_n_base = tl.arange(0, BLOCK_N)
     for n0 in range(lo_tile, hi, BLOCK_N):
@@ -234,10 +255,11 @@ def attention_bwd_dq_kernel(
             mask_tile = tl.load(mask_base + offs_n[None, :] * stride_maskn, mask=mask_m[:, None] & mask_n[None, :],
                                 other=0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        p = _probabilities(s, lse2, offs_m, offs_n, offs_m + pos_offset, N_Q, N_K, window_left, window_right,
-                           mask_tile, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL)
+        p, chain = _probabilities(s, lse2, offs_m, offs_n, offs_m + pos_offset, N_Q, N_K, window_left,
+                                  window_right, mask_tile, softcap_log2, alibi_log2, HAS_LEFT, HAS_RIGHT, HAS_MASK,
+                                  MASK_IS_BOOL, HAS_SOFTCAP, HAS_ALIBI)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-        ds_op = (p * (dp - delta[:, None])).to(op_dtype)
+        ds_op = (p * (dp - delta[:, None]) * chain).to(op_dtype)
         if UPCAST_DOT:
             ds_op = ds_op.to(tl.float32)
         dq = tl.dot(ds_op, k, dq, input_precision=INPUT_PRECISION)

@@ -1,9 +1,12 @@
-"""Pieces both attention kernels share: the tl helpers that map a program to its query block and head
-and find the key tiles its rows see, and the host-side facts about TMA-able tensors and grid limits."""
+"""Pieces the attention kernels share: the tl helpers that map a program to its query block and head,
+find the key tiles its rows see and apply the score modifiers, and the host-side facts about TMA-able
+tensors and grid limits."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from tilefuse.kernels.activations import tanh
 
 @triton.jit
 def query_block_and_head(N_Q, BLOCK_M: tl.constexpr, FLAT_GRID: tl.constexpr):
@@ -48,6 +51,18 @@ def key_tile_ranges(m0, ROWS: tl.constexpr, N_Q, N_K, pos_offset, window_left, w
     full_end = tl.where(no_full, lo_tile, full_end)
     return lo_tile, hi, full_start, full_end
 
+
+
+@triton.jit
+def score_modifiers(s, pos_m, offs_n, softcap_log2, alibi_log2, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Gemma 2's soft-capping (``s`` holds the scores divided by the cap: cap * tanh(s / cap), in the log2
+    domain) and ALiBi's ``-slope * |p - j|``, on a [rows, keys] tile of scaled scores; the forward and
+    the backward (backward.py) both call it, so they see one score."""
+    if HAS_SOFTCAP:
+        s = tanh(s) * softcap_log2
+    if HAS_ALIBI:
+        s = s - alibi_log2 * tl.abs(pos_m[:, None] - offs_n[None, :]).to(tl.float32)
+    return s
 
 
 def descriptors_usable(*tensors) -> bool:

@@ -93,6 +93,8 @@ attention_fwd_tuned = tuning.autotune(
     configs=GPU_CONFIGS + FP32_IEEE_CONFIGS,
     key=["Q_BUCKET", "K_BUCKET", "BLOCK_D", "HAS_LEFT", "HAS_RIGHT", "HAS_MASK", "MASK_IS_BOOL",
          "USE_DESC", "INPUT_PRECISION"],
+    # HAS_SOFTCAP / HAS_ALIBI are left out of the key: they add elementwise work to the same tiles, and the
+    # shipped table's keys stay valid.
     prune_configs_by={"early_config_prune": _prune},
 )(attention_fwd_kernel)
 
@@ -169,17 +171,27 @@ def _launch_ws(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_r
     return dict(BLOCK_M=ws.BLOCK_M.value, **cfg, WARP_SPECIALIZE=True)
 
 
+def modifier_args(scale: float, softcap) -> tuple:
+    """(qk_scale, softcap_log2) for the kernels: the score multiplier before the modifiers and the cap in the
+    log2 domain. With a softcap the scores go to tanh divided by the cap, and the cap times log2(e) comes
+    back after it; without, scale * log2(e) puts them straight in the log2 domain."""
+    if softcap is None:
+        return scale * LOG2E, 0.0
+    return scale / softcap, softcap * LOG2E
+
+
 def _grid(Nq: int, block_m: int, heads: int) -> tuple:
     """(query blocks, B * Hq), or everything on axis 0 (FLAT_GRID) when B * Hq passes axis 1's limit."""
     return (cdiv(Nq, block_m), heads) if heads <= MAX_GRID_Y else (cdiv(Nq, block_m) * heads,)
 
 
 def _launch(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_right,
-                     input_precision, interpret, use_desc=None, kernel="auto"):
+                     input_precision, interpret, use_desc=None, kernel="auto", softcap=None, alibi=None):
     """q/out [B, Hq, Nq, d], k/v [B, Hkv, Nk, d] (any strides); mask None or broadcastable strides
     [B, Hq, Nq, Nk] (0 where broadcast); lse None or contiguous fp32 [B, Hq, Nq].
 
-    window_left / window_right < 0 mean unbounded. ``kernel``: "auto" runs the warp-specialized Hopper
+    window_left / window_right < 0 mean unbounded; ``softcap`` a float or None, ``alibi`` None or fp32
+    slopes viewed as [B, Hq] (stride 0 where broadcast). ``kernel``: "auto" runs the warp-specialized Hopper
     kernel (ws.py) where it applies and ``use_desc`` is not forced, else the portable
     kernel; "ws" or "portable" force one ("ws" raises where it cannot run). Returns the config used
     (``WARP_SPECIALIZE`` set when the warp-specialized kernel ran).
@@ -188,12 +200,14 @@ def _launch(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_r
     Hkv, Nk = k.shape[1], k.shape[2]
     if kernel not in ("auto", "ws", "portable"):
         raise ValueError(f"kernel must be 'auto', 'ws' or 'portable', got {kernel!r}")
-    if kernel != "portable" and not interpret and use_desc is None and ws_usable(q, k, v, out, mask):
+    modified = softcap is not None or alibi is not None
+    if (kernel != "portable" and not interpret and use_desc is None and not modified
+            and ws_usable(q, k, v, out, mask)):
         return _launch_ws(q, k, v, out, lse, qk_scale=scale * LOG2E, pos_offset=pos_offset,
                           window_left=window_left, window_right=window_right)
     if kernel == "ws":
-        raise ValueError("the warp-specialized kernel needs sm_90, fp16/bf16, head dim 64 or 128, no mask and "
-                         "TMA-able tensors (16-byte aligned, unit last stride)")
+        raise ValueError("the warp-specialized kernel needs sm_90, fp16/bf16, head dim 64 or 128, no mask, no "
+                         "softcap or ALiBi and TMA-able tensors (16-byte aligned, unit last stride)")
     block_d = max(16, next_pow2(d))
     if use_desc is None:
         # Descriptors on the GPU only (portable pointer path in the interpreter); both paths are tested.
@@ -206,13 +220,16 @@ def _launch(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_r
     if mask_is_bool:
         mask = mask.view(torch.uint8)
     mask_strides = mask.stride() if has_mask else (0, 0, 0, 0)
+    qk_scale, softcap_log2 = modifier_args(scale, softcap)
     args = (q, k, v, out, lse if lse is not None else out, mask if has_mask else out,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
             B, Hq, Nq, Nk, d, Hq // Hkv, Hkv,
-            scale * LOG2E, pos_offset, max(window_left, 0), max(window_right, 0),
-            sizes.m_bucket(Nq), sizes.m_bucket(Nk))
+            qk_scale, pos_offset, max(window_left, 0), max(window_right, 0),
+            sizes.m_bucket(Nq), sizes.m_bucket(Nk), softcap_log2,
+            alibi if alibi is not None else out, *(alibi.stride() if alibi is not None else (0, 0)))
     flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_MASK=has_mask,
-                 MASK_IS_BOOL=mask_is_bool, STORE_LSE=lse is not None, EVEN_D=d == block_d,
+                 MASK_IS_BOOL=mask_is_bool, HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi is not None,
+                 STORE_LSE=lse is not None, EVEN_D=d == block_d,
                  USE_DESC=use_desc, INPUT_PRECISION=input_precision, BLOCK_D=block_d,
                  FLAT_GRID=B * Hq > MAX_GRID_Y)
     if interpret:
@@ -241,19 +258,21 @@ KERNELS = ("auto", "ws", "portable")
 
 
 def forward(q, k, v, mask, scale: float, pos_offset: int, window_left: int, window_right: int,
-            return_lse: bool, path, kernel: str = "auto"):
+            return_lse: bool, path, kernel: str = "auto", softcap=None, alibi=None):
     """out [B, Hq, Nq, d] (contiguous) and lse fp32 [B, Hq, Nq] (or an empty tensor without
     ``return_lse``) for q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d] with Nq, Nk >= 1, mask None or a view of
     [B, Hq, Nq, Nk] (broadcast dims at stride 0). ``kernel``: "auto" (the rule in the module doc) or
-    "ws" / "portable" to force one (benchmarks measure both side by side)."""
+    "ws" / "portable" to force one (benchmarks measure both side by side). ``softcap`` / ``alibi``: the
+    score modifiers (see ``_launch``)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    return _FORWARD.run((q, k, v, mask), (scale, pos_offset, window_left, window_right, return_lse, kernel),
+    return _FORWARD.run((q, k, v, mask, alibi),
+                        (scale, pos_offset, window_left, window_right, return_lse, kernel, softcap),
                         lambda: _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse,
-                                         path, kernel))
+                                         path, kernel, softcap, alibi))
 
 
-def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel):
+def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel, softcap, alibi):
     B, Hq, Nq, d = q.shape
     out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
@@ -263,7 +282,7 @@ def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return
         precision = "tf32"  # fp32 with allow_tf32; ignored by tl.dot for 16-bit operands
     cfg = _launch(q, k, v, out, lse if return_lse else None, mask, scale=scale, pos_offset=pos_offset,
                   window_left=window_left, window_right=window_right, input_precision=precision,
-                  interpret=path == runtime.INTERPRETER, kernel=kernel)
+                  interpret=path == runtime.INTERPRETER, kernel=kernel, softcap=softcap, alibi=alibi)
     is_ws = isinstance(cfg, dict) and cfg.get("WARP_SPECIALIZE")
     launches.record("attention", path, "ws" if is_ws else "portable", lambda: tuning.describe(cfg))
     return out, lse
@@ -289,16 +308,18 @@ def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int, window_left: int,
-             window_right: int, path):
+             window_right: int, path, softcap=None, alibi=None):
     """(dq, dk, dv) of the attention op from dout [B, Hq, Nq, d] (any strides), the forward's q, k, v, out and
     lse (fp32 [B, Hq, Nq], contiguous), dlse (the lse output's gradient, same layout) or None, and the
     forward's mask and positions. dq/dk/dv contiguous in q's / k's / v's shapes, q's dtype."""
-    return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask), (scale, pos_offset, window_left, window_right),
+    return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask, alibi),
+                         (scale, pos_offset, window_left, window_right, softcap),
                          lambda: _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
-                                           window_right, path))
+                                           window_right, path, softcap, alibi))
 
 
-def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path):
+def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path, softcap,
+              alibi):
     from tilefuse.kernels.attention.backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
                                                      attention_bwd_rowdot_kernel)
 
@@ -327,8 +348,11 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     mask_arg = mask if has_mask else delta
     cfg = backward_config(block_d, q.element_size(), interpret)
     flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_MASK=has_mask,
-                 MASK_IS_BOOL=mask_is_bool, INPUT_PRECISION=precision, UPCAST_DOT=upcast, BLOCK_D=block_d, **cfg)
-    positions = (scale * LOG2E, scale, pos_offset, max(window_left, 0), max(window_right, 0))
+                 MASK_IS_BOOL=mask_is_bool, HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi is not None,
+                 INPUT_PRECISION=precision, UPCAST_DOT=upcast, BLOCK_D=block_d, **cfg)
+    qk_scale, softcap_log2 = modifier_args(scale, softcap)
+    positions = (qk_scale, scale, pos_offset, max(window_left, 0), max(window_right, 0), softcap_log2,
+                 alibi if alibi is not None else delta, *(alibi.stride() if alibi is not None else (0, 0)))
     fastpath.launch(attention_bwd_dkdv_kernel, (cdiv(Nk, cfg["BLOCK_N"]), B * Hkv), (
         q, k, v, dout, lse, delta, mask_arg, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *dk.stride(), *dv.stride(),

@@ -7,6 +7,7 @@ the scores and probabilities, >= (Q + K + V + O)*s + 4 * B*Hq*Nq*Nk*s; fused: (Q
 per query head group from the same KV head (GQA), never repeated in memory.
 Tiling: one BLOCK_M x head_dim query tile per program, loaded once; K/V walked in BLOCK_N tiles in
 three stages (masked lead-in, unmasked middle, masked tail) so most tiles skip all masking.
+Score modifiers: Gemma 2's soft-capping and ALiBi slopes (``score_modifiers``), shared with the backward.
 Limits: head_dim <= 256 (padded to a power of two >= 16 and masked), any Nq, Nk >= 1. The launch layer
 (launch.py) runs it wherever the warp-specialized kernel (ws.py) does not apply.
 """
@@ -15,10 +16,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head
+from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head, score_modifiers
 # A finite additive mask below this would overflow to -inf once multiplied by log2(e); clamping keeps
 # Hugging Face's finfo.min padding finite (a fully masked row then averages uniformly, as torch does).
 MASK_FLOOR = tl.constexpr(-2.3e38)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -26,18 +28,21 @@ def _attend_stage(
     acc, l_i, m_i, q,
     k_src, v_src, mask_ptrs,
     b, h_kv, offs_m, pos_m, offs_d, mask_m, mask_d,
-    start_n, end_n, N_K, window_left, window_right, qk_scale,
+    start_n, end_n, N_K, window_left, window_right, qk_scale, softcap_log2, alibi_log2,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_maskn,
     APPLY_BOUNDS: tl.constexpr,   # this stage holds tiles cut by the window or by N_K
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     EVEN_D: tl.constexpr, USE_DESC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Folds the K/V tiles [start_n, end_n) into the online-softmax state (acc, l_i, m_i).
 
-    Scores live in the log2 domain (scale * log2(e) folded into qk_scale) so exp is one exp2.
+    Scores live in the log2 domain (scale * log2(e) folded into qk_scale) so exp is one exp2. With
+    HAS_SOFTCAP, qk_scale is scale / softcap and the score is tanh of it times softcap * log2(e)
+    (``softcap_log2``); HAS_ALIBI subtracts ``alibi_log2`` (this head's slope * log2(e)) times |p - j|.
     """
     offs_n_base = tl.arange(0, BLOCK_N)
     for start in range(start_n, end_n, BLOCK_N):
@@ -65,6 +70,7 @@ def _attend_stage(
 
         # ---- scores in the log2 domain ------------------------------------------------------
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        s = score_modifiers(s, pos_m, offs_n, softcap_log2, alibi_log2, HAS_SOFTCAP, HAS_ALIBI)
         if APPLY_BOUNDS:
             key_pos = offs_n[None, :]
             visible = key_pos < N_K
@@ -120,8 +126,11 @@ def attention_fwd_kernel(
     pos_offset,     # query row i sits at key position i + pos_offset (Nk - Nq: bottom-right; 0: top-left)
     window_left, window_right,
     Q_BUCKET, K_BUCKET,  # autotune keys only (next power of two of N_Q, N_K)
+    softcap_log2,   # HAS_SOFTCAP: softcap * log2(e) (and qk_scale is scale / softcap)
+    alibi_ptr, stride_alibi_b, stride_alibi_h,  # HAS_ALIBI: fp32 slopes [B, Hq] (stride 0 where broadcast)
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     STORE_LSE: tl.constexpr, EVEN_D: tl.constexpr, USE_DESC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr = False,
@@ -170,6 +179,10 @@ def attention_fwd_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
+    alibi_log2 = 0.0
+    if HAS_ALIBI:
+        alibi_log2 = tl.load(alibi_ptr + b.to(tl.int64) * stride_alibi_b + h.to(tl.int64) * stride_alibi_h) * LOG2E
+
     # ---- online-softmax state -----------------------------------------------------------------
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running row max (log2 domain)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)                # running sum of exp2(s - m_i)
@@ -178,23 +191,23 @@ def attention_fwd_kernel(
     # Stage 1: tiles the window's left edge cuts (masked).
     acc, l_i, m_i = _attend_stage(
         acc, l_i, m_i, q, k_src, v_src, mask_ptrs, b, h_kv, offs_m, pos_m, offs_d, mask_m, mask_d,
-        lo_tile, full_start, N_K, window_left, window_right, qk_scale,
+        lo_tile, full_start, N_K, window_left, window_right, qk_scale, softcap_log2, alibi_log2,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_maskn,
-        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, EVEN_D, USE_DESC,
+        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_DESC,
         INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_D)
     # Stage 2: tiles every row of the block sees whole (no window or bounds masking).
     acc, l_i, m_i = _attend_stage(
         acc, l_i, m_i, q, k_src, v_src, mask_ptrs, b, h_kv, offs_m, pos_m, offs_d, mask_m, mask_d,
-        full_start, full_end, N_K, window_left, window_right, qk_scale,
+        full_start, full_end, N_K, window_left, window_right, qk_scale, softcap_log2, alibi_log2,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_maskn,
-        False, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, EVEN_D, USE_DESC,
+        False, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_DESC,
         INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_D)
     # Stage 3: the causal diagonal / right window edge and the ragged last tile (masked).
     acc, l_i, m_i = _attend_stage(
         acc, l_i, m_i, q, k_src, v_src, mask_ptrs, b, h_kv, offs_m, pos_m, offs_d, mask_m, mask_d,
-        full_end, hi, N_K, window_left, window_right, qk_scale,
+        full_end, hi, N_K, window_left, window_right, qk_scale, softcap_log2, alibi_log2,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_maskn,
-        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, EVEN_D, USE_DESC,
+        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_DESC,
         INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_D)
 
     # ---- epilogue: rows that saw no key give 0 (l_i = 0) and lse = -inf --------------------------
