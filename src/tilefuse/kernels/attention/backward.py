@@ -33,6 +33,20 @@ MASK_FLOOR = tl.constexpr(-2.3e38)  # as the forward: a finite additive mask sta
 
 
 @triton.jit
+def _tile_ptrs(ptr, b, h, stride_b, stride_h, offs_rows, stride_rows, offs_d, stride_d):
+    """Pointers of a [rows, head dim] tile of head (b, h) in a [B, H, N, d] tensor (64-bit offsets)."""
+    return (ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+            + offs_rows.to(tl.int64)[:, None] * stride_rows + offs_d[None, :] * stride_d)
+
+
+@triton.jit
+def _row_terms(lse_ptr, delta_ptr, rows, mask):
+    """(lse in the log2 domain, +inf where the row saw no key, so its P is 0; delta) for flat row indices."""
+    lse = tl.load(lse_ptr + rows, mask=mask, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), tl.load(delta_ptr + rows, mask=mask, other=0.0)
+
+
+@triton.jit
 def attention_bwd_rowdot_kernel(
     o_ptr, do_ptr, dlse_ptr, delta_ptr,
     stride_ob, stride_oh, stride_om, stride_od,
@@ -48,10 +62,10 @@ def attention_bwd_rowdot_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < N_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                 + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    o = tl.load(_tile_ptrs(o_ptr, b, h, stride_ob, stride_oh, offs_m, stride_om, offs_d, stride_od), mask=mask,
+                other=0.0)
+    do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, offs_m, stride_dom, offs_d, stride_dod), mask=mask,
+                 other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     rows = pid_bh.to(tl.int64) * N_Q + offs_m
     if HAS_DLSE:
@@ -115,10 +129,10 @@ def attention_bwd_dkdv_kernel(
     mask_n = offs_n < N_K
     mask_d = offs_d < HEAD_DIM
     kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(k_ptr + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-                + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
-                + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, offs_n, stride_kn, offs_d, stride_kd), mask=kv_mask,
+                other=0.0)
+    v = tl.load(_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, offs_n, stride_vn, offs_d, stride_vd), mask=kv_mask,
+                other=0.0)
     op_dtype = k.dtype
     if UPCAST_DOT:
         k = k.to(tl.float32)
@@ -139,8 +153,6 @@ def attention_bwd_dkdv_kernel(
     offs_m_base = tl.arange(0, BLOCK_M)
     for g in range(0, GROUP):
         h = h_kv * GROUP + g
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
         rows_base = (b * H_Q + h).to(tl.int64) * N_Q
         mask_base = mask_ptr + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
         alibi_log2 = 0.0
@@ -150,13 +162,11 @@ def attention_bwd_dkdv_kernel(
             offs_m = m0 + offs_m_base
             mask_m = offs_m < N_Q
             qm = mask_m[:, None] & mask_d[None, :]
-            q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qm,
+            q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, offs_m, stride_qm, offs_d, stride_qd), mask=qm,
                         other=0.0)
-            do = tl.load(do_base + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+            do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, offs_m, stride_dom, offs_d, stride_dod),
                          mask=qm, other=0.0)
-            lse = tl.load(lse_ptr + rows_base + offs_m, mask=mask_m, other=float("-inf"))
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-            delta = tl.load(delta_ptr + rows_base + offs_m, mask=mask_m, other=0.0)
+            lse2, delta = _row_terms(lse_ptr, delta_ptr, rows_base + offs_m, mask_m)
             if UPCAST_DOT:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
@@ -180,11 +190,9 @@ def attention_bwd_dkdv_kernel(
             dk = tl.dot(tl.trans(ds_op), q, dk, input_precision=INPUT_PRECISION)
 
     dk = dk * scale
-    tl.store(dk_ptr + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh
-             + offs_n.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    tl.store(_tile_ptrs(dk_ptr, b, h_kv, stride_dkb, stride_dkh, offs_n, stride_dkn, offs_d, stride_dkd),
              dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh
-             + offs_n.to(tl.int64)[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+    tl.store(_tile_ptrs(dv_ptr, b, h_kv, stride_dvb, stride_dvh, offs_n, stride_dvn, offs_d, stride_dvd),
              dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
@@ -216,20 +224,15 @@ def attention_bwd_dq_kernel(
     mask_m = offs_m < N_Q
     mask_d = offs_d < HEAD_DIM
     qm = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-                + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qm, other=0.0)
-    do = tl.load(do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                 + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qm, other=0.0)
+    q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, offs_m, stride_qm, offs_d, stride_qd), mask=qm,
+                other=0.0)
+    do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, offs_m, stride_dom, offs_d, stride_dod), mask=qm,
+                 other=0.0)
     op_dtype = q.dtype
     if UPCAST_DOT:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    rows = pid_bh.to(tl.int64) * N_Q + offs_m
-    lse = tl.load(lse_ptr + rows, mask=mask_m, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    delta = tl.load(delta_ptr + rows, mask=mask_m, other=0.0)
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    lse2, delta = _row_terms(lse_ptr, delta_ptr, pid_bh.to(tl.int64) * N_Q + offs_m, mask_m)
     mask_base = (mask_ptr + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
                  + offs_m.to(tl.int64)[:, None] * stride_maskm)
     lo_tile, hi, _, _ = key_tile_ranges(m0, BLOCK_M, N_Q, N_K, pos_offset, window_left, window_right,
@@ -243,10 +246,10 @@ def attention_bwd_dq_kernel(
         offs_n = n0 + offs_n_base
         mask_n = offs_n < N_K
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
-                    other=0.0)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
-                    other=0.0)
+        k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, offs_n, stride_kn, offs_d, stride_kd),
+                    mask=kv_mask, other=0.0)
+        v = tl.load(_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, offs_n, stride_vn, offs_d, stride_vd),
+                    mask=kv_mask, other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -264,6 +267,5 @@ def attention_bwd_dq_kernel(
             ds_op = ds_op.to(tl.float32)
         dq = tl.dot(ds_op, k, dq, input_precision=INPUT_PRECISION)
     dq = dq * scale
-    tl.store(dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-             + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+    tl.store(_tile_ptrs(dq_ptr, b, h, stride_dqb, stride_dqh, offs_m, stride_dqm, offs_d, stride_dqd),
              dq.to(dq_ptr.dtype.element_ty), mask=qm)
