@@ -348,3 +348,63 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     right = 0 if is_causal else -1
     out, _ = _run(q4, k4, v4, mask4, scale, False, -1, right, False, "scaled_dot_product_attention")
     return out.reshape(out_shape)
+
+
+# ---- FlashAttention 2's API ------------------------------------------------------------------------
+def _fa_check(dropout_p, window_size, softcap):
+    if dropout_p != 0.0:
+        raise NotImplementedError("tilefuse's flash_attn functions have no dropout; use dropout_p=0.0")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise ValueError(f"window_size must be (left, right) ints, -1 for unbounded, got {window_size!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"softcap must be a number >= 0 (0: none), got {softcap!r}")
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: float | None = None, causal: bool = False,
+                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                    return_attn_probs: bool = False):
+    """``flash_attn.flash_attn_func`` on tilefuse's kernels: q ``[B, Nq, Hq, d]``, k/v ``[B, Nk, Hkv, d]``
+    (FlashAttention 2's layout, read in place through strides: no copies), bottom-right aligned causal,
+    ``window_size=(left, right)`` with -1 unbounded, ``softcap`` 0 for none, ``alibi_slopes`` fp32 ``[Hq]`` or
+    ``[B, Hq]``. Returns out ``[B, Nq, Hq, d]`` (a view of tilefuse's ``[B, Hq, Nq, d]`` output; FlashAttention's
+    own is contiguous), or with ``return_attn_probs`` ``(out, softmax_lse [B, Hq, Nq], None)``. Forward and
+    backward; dropout raises ``NotImplementedError``."""
+    _fa_check(dropout_p, window_size, softcap)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, N, H, d] (FlashAttention's layout), got shape {tuple(t.shape)}")
+    window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
+    out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, window=window,
+                         scale=softmax_scale, return_lse=True, deterministic=deterministic,
+                         softcap=softcap or None, alibi_slopes=alibi_slopes)
+    out = out.transpose(1, 2)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                              causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                              return_attn_probs: bool = False):
+    """``flash_attn.flash_attn_qkvpacked_func``: qkv ``[B, N, 3, H, d]``, q, k and v read in place."""
+    check_tensor("qkv", qkv)
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be [B, N, 3, H, d], got shape {tuple(qkv.shape)}")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
+                             softmax_scale: float | None = None, causal: bool = False,
+                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                             return_attn_probs: bool = False):
+    """``flash_attn.flash_attn_kvpacked_func``: q ``[B, Nq, Hq, d]``, kv ``[B, Nk, 2, Hkv, d]`` read in place."""
+    check_tensor("kv", kv)
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must be [B, N, 2, H, d], got shape {tuple(kv.shape)}")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
