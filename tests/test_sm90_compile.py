@@ -320,3 +320,21 @@ def test_attention_backward_compiles_for_sm90(kernel, d):
                          cfg["num_stages"], aligned=aligned)
     assert facts["shared"] <= SMEM_LIMIT, facts
     assert facts["wgmma"] == (cfg["BLOCK_M"] >= 64), facts
+
+
+@pytest.mark.parametrize("kernel", ["attention_fwd_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"])
+def test_attention_varlen_and_modifiers_compile_for_sm90(kernel):
+    """Packed sequences with softcap and ALiBi (the variant with every new constexpr on) compile for sm_90a
+    with the portable pointer loads and feed wgmma (d = 128, 64-row tiles)."""
+    import importlib
+
+    module = "tilefuse.kernels.attention." + ("portable" if kernel == "attention_fwd_kernel" else "backward")
+    params = importlib.import_module(module).__dict__[kernel].arg_names
+    consts = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, HAS_SOFTCAP=True,
+                  HAS_ALIBI=True, VARLEN=True, STORE_LSE=True, EVEN_D=True, USE_DESC=False, INPUT_PRECISION="tf32",
+                  UPCAST_DOT=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, FLAT_GRID=False)
+    sig = {"*": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "mask_ptr": "*fp32", "qk_scale": "fp32",
+           "scale": "fp32", "softcap_log2": "fp32", "alibi_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+    facts = compile_sm90(module, kernel, {k: v for k, v in sig.items() if k == "*" or k in params},
+                         {k: v for k, v in consts.items() if k in params}, 8, 2)
+    assert facts["wgmma"], facts

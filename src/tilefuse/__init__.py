@@ -7,8 +7,8 @@ kernel keeps intermediates on chip instead of writing them out and reading them 
 (after :func:`tilefuse.runtime.check_triton`), so ``TRITON_INTERPRET`` can still be set before that.
 """
 from tilefuse.ops.linear import linear
-from tilefuse.ops.attention import (attention, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                                   scaled_dot_product_attention)
+from tilefuse.ops.attention import (attention, attention_varlen, flash_attn_func, flash_attn_kvpacked_func,
+                                   flash_attn_qkvpacked_func, flash_attn_varlen_func, scaled_dot_product_attention)
 from tilefuse.ops.norms import layer_norm, layer_norm_linear, rms_norm
 from tilefuse.ops.softmax import softmax
 from tilefuse import nn
@@ -16,6 +16,6 @@ from tilefuse import nn
 # The one place the version is written: pyproject.toml reads it from here (dynamic = ["version"]).
 __version__ = "0.1.0"
 
-__all__ = ["linear", "attention", "scaled_dot_product_attention", "flash_attn_func", "flash_attn_qkvpacked_func",
-           "flash_attn_kvpacked_func", "layer_norm", "rms_norm", "layer_norm_linear",
+__all__ = ["linear", "attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
+           "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func", "layer_norm", "rms_norm", "layer_norm_linear",
            "softmax", "nn", "__version__"]

@@ -46,104 +46,152 @@ def _check_scale(scale):
         raise ValueError(f"scale must be None or a finite number, got {scale!r}")
 
 
-def _empty_outputs(q, return_lse):
+def _empty_outputs(q, return_lse, varlen=False):
+    """(out, lse): out [B, Hq, Nq, d] contiguous, or for packed sequences (q viewed [1, Hq, total, d]) laid
+    out [total, Hq, d] as the packed input is; lse [B, Hq, Nq] fp32 (varlen: [1, Hq, total]) or empty."""
     B, Hq, Nq, d = q.shape
-    out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    if varlen:
+        out = torch.empty((Nq, Hq, d), dtype=q.dtype, device=q.device).permute(1, 0, 2)[None]
+    else:
+        out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
     return out, lse
 
 
+def _per_sequence(cu_q, cu_k):
+    """[(q rows, k rows)] slices of each packed sequence (host values: the plain-PyTorch path only)."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+
+
 def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap=None,
-                    alibi=None, kernel="auto"):
+                    alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                    kernel="auto"):
     """(out, lse) for 4-D q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], mask None or a view of
     [B, Hq, Nq, Nk], alibi None or fp32 slopes viewed as [B, Hq]; lse is an empty tensor without
-    ``return_lse``. ``kernel`` forces a kernel of the launch layer (its ``KERNELS``); the registered op
-    always takes "auto"."""
+    ``return_lse``. Packed sequences (``cu_seqlens_q`` given): q/k/v viewed [1, H, total, d], each sequence
+    bottom-right aligned on its own, alibi [sequences, Hq]. ``kernel`` forces a kernel of the launch layer
+    (its ``KERNELS``); the registered op always takes "auto"."""
     path = runtime.execution_path(q)
     Nq, Nk = q.shape[2], k.shape[2]
+    varlen = cu_seqlens_q is not None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     pos_offset = Nk - Nq if bottom_right else 0
     if q.numel() == 0 or Nk == 0:  # no key at all: every row sees nothing -> 0, lse -inf
         _dispatch.record_reference("attention", path)
-        out, lse = _empty_outputs(q, return_lse)
+        out, lse = _empty_outputs(q, return_lse, varlen)
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
     if path == runtime.REFERENCE:
         _dispatch.record_reference("attention", path)
-        out, lse = _empty_outputs(q, return_lse)
-        ref, ref_lse = ref_attention.attend(q, k, v, mask, scale, pos_offset, window_left, window_right, softcap,
-                                            alibi)
-        out.copy_(ref)
-        if return_lse:
-            lse.copy_(ref_lse)
+        out, lse = _empty_outputs(q, return_lse, varlen)
+        pieces = _per_sequence(cu_seqlens_q, cu_seqlens_k) if varlen else [(slice(None), slice(None))]
+        for i, (rq, rk) in enumerate(pieces):
+            qi, ki, vi = q[:, :, rq], k[:, :, rk], v[:, :, rk]
+            if qi.shape[2] == 0:
+                continue
+            if ki.shape[2] == 0:
+                out[:, :, rq] = 0
+                if return_lse:
+                    lse[:, :, rq] = float("-inf")
+                continue
+            offset = ki.shape[2] - qi.shape[2] if (bottom_right or varlen) else 0
+            ai = alibi[i:i + 1] if varlen and alibi is not None else alibi
+            ref, ref_lse = ref_attention.attend(qi, ki, vi, mask, scale, offset, window_left, window_right, softcap,
+                                                ai)
+            out[:, :, rq] = ref
+            if return_lse:
+                lse[:, :, rq] = ref_lse
         return out, lse
     runtime.check_triton()
     from tilefuse.kernels.attention import launch  # imports triton: only once a kernel is to run
     with _dispatch.on_device(q):
         return launch.forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path,
-                              kernel=kernel, softcap=softcap, alibi=alibi)
+                              kernel=kernel, softcap=softcap, alibi=alibi,
+                              varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) if varlen else None)
 
 
 @torch.library.custom_op("tilefuse::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                   scale: Optional[float], bottom_right: bool, window_left: int, window_right: int,
-                  return_lse: bool, softcap: Optional[float] = None,
-                  alibi: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi)
+                  return_lse: bool, softcap: Optional[float] = None, alibi: Optional[torch.Tensor] = None,
+                  cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi,
+                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @_attention_op.register_fake
-def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap=None, alibi=None):
-    return _empty_outputs(q, return_lse)
+def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap=None, alibi=None,
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    return _empty_outputs(q, return_lse, cu_seqlens_q is not None)
 
 
 def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right,
-                             softcap=None, alibi=None):
+                             softcap=None, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                             max_seqlen_k=0):
     path = runtime.execution_path(q)
     Nq, Nk = q.shape[2], k.shape[2]
+    varlen = cu_seqlens_q is not None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     pos_offset = Nk - Nq if bottom_right else 0
     if path == runtime.REFERENCE or q.numel() == 0 or k.numel() == 0:
         _dispatch.record_reference("attention_backward", path)
-        return ref_attention.attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
-                                             window_right, softcap, alibi)
+        if not varlen:
+            return ref_attention.attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
+                                                 window_right, softcap, alibi)
+        dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+        for i, (rq, rk) in enumerate(_per_sequence(cu_seqlens_q, cu_seqlens_k)):
+            if q[:, :, rq].shape[2] == 0 or k[:, :, rk].shape[2] == 0:
+                continue
+            parts = ref_attention.attend_backward(
+                dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq], lse[:, :, rq],
+                None if dlse is None else dlse[:, :, rq], None, scale, k[:, :, rk].shape[2] - q[:, :, rq].shape[2],
+                window_left, window_right, softcap, None if alibi is None else alibi[i:i + 1])
+            dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = parts
+        return dq, dk, dv
     runtime.check_triton()
     from tilefuse.kernels.attention import launch
     with _dispatch.on_device(q):
         return launch.backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right,
-                               path, softcap, alibi)
+                               path, softcap, alibi,
+                               (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) if varlen else None)
 
 
 @torch.library.custom_op("tilefuse::attention_backward", mutates_args=())
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, dlse: Optional[torch.Tensor], mask: Optional[torch.Tensor],
                            scale: Optional[float], bottom_right: bool, window_left: int,
-                           window_right: int, softcap: Optional[float] = None,
-                           alibi: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           window_right: int, softcap: Optional[float] = None, alibi: Optional[torch.Tensor] = None,
+                           cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                           max_seqlen_q: int = 0,
+                           max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left,
-                                    window_right, softcap, alibi)
+                                    window_right, softcap, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k)
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right, softcap=None, alibi=None):
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+def _(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right, softcap=None, alibi=None,
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    return tuple(torch.empty_like(t) for t in (q, k, v))  # the inputs' layouts, as the kernels write them
 
 
 def _setup_attention(ctx, inputs, output):
-    q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi = (
-        *inputs, *(None,) * (11 - len(inputs)))
+    (q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi, cu_q, cu_k, max_q,
+     max_k) = (*inputs, *(None, None, None, None, 0, 0)[len(inputs) - 9:])
     out, lse = output
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, mask, out, lse, alibi)
+    ctx.save_for_backward(q, k, v, mask, out, lse, alibi, cu_q, cu_k)
     ctx.args = (scale, bottom_right, window_left, window_right, softcap)
+    ctx.lengths = (max_q, max_k)
     ctx.has_lse = return_lse
     ctx.n_inputs = len(inputs)
 
 
 def _attention_backward(ctx, dout, dlse):
-    q, k, v, mask, out, lse, alibi = ctx.saved_tensors
+    q, k, v, mask, out, lse, alibi, cu_q, cu_k = ctx.saved_tensors
     if not ctx.has_lse:
         raise RuntimeError("tilefuse.attention: the backward needs the forward's log-sum-exp, which this call "
                            "did not keep (it ran without grad)")
@@ -151,7 +199,7 @@ def _attention_backward(ctx, dout, dlse):
         return (None,) * ctx.n_inputs
     if dout is None:
         dout = torch.zeros_like(out)
-    args = (dout, q, k, v, out, lse, dlse, mask, *ctx.args, alibi)
+    args = (dout, q, k, v, out, lse, dlse, mask, *ctx.args, alibi, cu_q, cu_k, *ctx.lengths)
     if _dispatch.direct(dout, q, k, v, out, lse, dlse, mask, alibi):
         dq, dk, dv = _attention_backward_impl(*args)
     else:
@@ -408,3 +456,94 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
         raise ValueError(f"kv must be [B, N, 2, H, d], got shape {tuple(kv.shape)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
+
+
+# ---- packed variable-length sequences --------------------------------------------------------------
+def _check_offsets(name, cu, total, max_seqlen, validate):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} has dtype {cu.dtype}; expected int32 or int64")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D [B + 1], got shape {tuple(cu.shape)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"the max_seqlen for {name} must be an int >= 0, got {max_seqlen!r}")
+    if validate:  # one host synchronisation; validate=False skips it (CUDA graphs, torch.compile)
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        if values[-1] != total:
+            raise ValueError(f"{name} must end at the total length {total}, got {values[-1]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"{name} must be non-decreasing, got {values}")
+        if lengths and max(lengths) > max_seqlen:
+            raise ValueError(f"{name} has a sequence of length {max(lengths)} above its max_seqlen {max_seqlen}")
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     window: tuple[int, int] | None = None, scale: float | None = None, softcap: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, return_lse: bool = False,
+                     validate: bool = True):
+    """Attention over packed variable-length sequences: q ``[total_q, Hq, d]``, k/v ``[total_k, Hkv, d]``,
+    sequence i's rows at ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` (keys likewise; int32 or int64 offsets from
+    0). Each sequence attends only to its own keys, aligned bottom-right as :func:`attention`, with the same
+    options; ``alibi_slopes`` ``[Hq]`` or ``[B, Hq]``. Returns ``[total_q, Hq, d]`` (and lse fp32
+    ``[Hq, total_q]`` with ``return_lse``). Forward and backward, in one launch each however many sequences.
+    ``validate=True`` checks the offsets' values (one host synchronisation); ``validate=False`` skips that
+    (CUDA graphs, torch.compile), and the kernels then clamp offsets to the totals so that they never read or
+    write outside q, k, v and the output."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [total, H, d], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (q, k, v))  # [1, H, total, d] views, no copy
+    _check_qkv_common(q4, k4, v4, ndim=4)
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv})")
+    _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, validate)
+    _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, validate)
+    check_same_device("cu_seqlens_q", cu_seqlens_q, "q", q)
+    check_same_device("cu_seqlens_k", cu_seqlens_k, "q", q)
+    seqs = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != seqs + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.shape[0] - 1} sequences, cu_seqlens_q {seqs}")
+    if seqs * Hq > MAX_GRID_Y_BACKWARD:
+        raise NotImplementedError(f"tilefuse.attention_varlen: sequences * heads = {seqs * Hq} is above "
+                                  f"{MAX_GRID_Y_BACKWARD} (the grid's second axis)")
+    if window is not None and (not isinstance(window, (tuple, list)) or len(window) != 2
+                               or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
+        raise ValueError(f"window must be None or (left, right) with ints >= -1, got {window!r}")
+    _check_scale(scale)
+    softcap, alibi = _check_modifiers(q.new_empty((seqs, Hq, 0, 0)), softcap, alibi_slopes)
+    left, right = tuple(window) if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    scale = None if scale is None else float(scale)
+    args = (q4, k4, v4, None, scale, True, left, right)
+    varlen = (softcap, alibi, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    if grad_needed(q, k, v):
+        out, lse = _attention_op(*args, True, *varlen)
+    elif _dispatch.direct(q4, k4, v4, alibi, cu_seqlens_q, cu_seqlens_k):
+        out, lse = _attention_impl(*args, return_lse, *varlen)
+    else:
+        out, lse = _attention_op(*args, return_lse, *varlen)
+    out = out[0].permute(1, 0, 2)  # [total_q, Hq, d], contiguous: the kernel wrote the packed layout
+    return (out, lse[0]) if return_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False):
+    """``flash_attn.flash_attn_varlen_func`` on :func:`attention_varlen` (offsets validated: one host
+    synchronisation). With ``return_attn_probs``: ``(out, softmax_lse [Hq, total_q], None)``."""
+    _fa_check(dropout_p, window_size, softcap)
+    window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
+    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                window=window, scale=softmax_scale, softcap=softcap or None,
+                                alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True)
+    return (out, lse, None) if return_attn_probs else out

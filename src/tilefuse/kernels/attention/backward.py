@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from tilefuse.kernels.activations import tanh
-from tilefuse.kernels.attention.common import key_tile_ranges, score_modifiers
+from tilefuse.kernels.attention.common import key_tile_ranges, score_modifiers, varlen_sequence
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -114,8 +114,9 @@ def attention_bwd_dkdv_kernel(
     H_Q, H_KV, N_Q, N_K, HEAD_DIM, GROUP,
     qk_scale, scale, pos_offset, window_left, window_right,
     softcap_log2, alibi_ptr, stride_alibi_b, stride_alibi_h,
+    cu_q_ptr, cu_k_ptr,  # VARLEN: as the forward (tensors viewed [1, H, total, d], lse and delta [Hq, total_q])
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -123,16 +124,30 @@ def attention_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)  # b * H_KV + h_kv
     b = pid_bh // H_KV
     h_kv = pid_bh % H_KV
+    total_q = N_Q
+    row0_q = 0
+    row0_k = 0
+    if VARLEN:  # b is the sequence: its rows come from the offsets, not from a batch stride
+        stride_qb = 0
+        stride_kb = 0
+        stride_vb = 0
+        stride_dob = 0
+        stride_dkb = 0
+        stride_dvb = 0
+        row0_q, N_Q, row0_k, N_K = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
+        pos_offset = N_K - N_Q
+        row0_q = row0_q.to(tl.int64)
+        row0_k = row0_k.to(tl.int64)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < N_K
     mask_d = offs_d < HEAD_DIM
     kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, offs_n, stride_kn, offs_d, stride_kd), mask=kv_mask,
-                other=0.0)
-    v = tl.load(_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, offs_n, stride_vn, offs_d, stride_vd), mask=kv_mask,
-                other=0.0)
+    k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, row0_k + offs_n, stride_kn, offs_d, stride_kd),
+                mask=kv_mask, other=0.0)
+    v = tl.load(_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, row0_k + offs_n, stride_vn, offs_d, stride_vd),
+                mask=kv_mask, other=0.0)
     op_dtype = k.dtype
     if UPCAST_DOT:
         k = k.to(tl.float32)
@@ -147,6 +162,8 @@ def attention_bwd_dkdv_kernel(
     if HAS_LEFT:
         m_hi = tl.minimum(tl.maximum(n0 + BLOCK_N - 1 + window_left - pos_offset + 1, 0), N_Q)
     m_lo = (m_lo // BLOCK_M) * BLOCK_M
+    if VARLEN:  # a key block past its sequence's end (the grid covers the longest) walks no query
+        m_hi = tl.where(n0 < N_K, m_hi, m_lo)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -154,6 +171,8 @@ def attention_bwd_dkdv_kernel(
     for g in range(0, GROUP):
         h = h_kv * GROUP + g
         rows_base = (b * H_Q + h).to(tl.int64) * N_Q
+        if VARLEN:
+            rows_base = h.to(tl.int64) * total_q + row0_q
         mask_base = mask_ptr + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
         alibi_log2 = 0.0
         if HAS_ALIBI:
@@ -162,10 +181,10 @@ def attention_bwd_dkdv_kernel(
             offs_m = m0 + offs_m_base
             mask_m = offs_m < N_Q
             qm = mask_m[:, None] & mask_d[None, :]
-            q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, offs_m, stride_qm, offs_d, stride_qd), mask=qm,
-                        other=0.0)
-            do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, offs_m, stride_dom, offs_d, stride_dod),
-                         mask=qm, other=0.0)
+            q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, row0_q + offs_m, stride_qm, offs_d, stride_qd),
+                        mask=qm, other=0.0)
+            do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, row0_q + offs_m, stride_dom, offs_d,
+                                    stride_dod), mask=qm, other=0.0)
             lse2, delta = _row_terms(lse_ptr, delta_ptr, rows_base + offs_m, mask_m)
             if UPCAST_DOT:
                 q = q.to(tl.float32)
@@ -190,9 +209,9 @@ def attention_bwd_dkdv_kernel(
             dk = tl.dot(tl.trans(ds_op), q, dk, input_precision=INPUT_PRECISION)
 
     dk = dk * scale
-    tl.store(_tile_ptrs(dk_ptr, b, h_kv, stride_dkb, stride_dkh, offs_n, stride_dkn, offs_d, stride_dkd),
+    tl.store(_tile_ptrs(dk_ptr, b, h_kv, stride_dkb, stride_dkh, row0_k + offs_n, stride_dkn, offs_d, stride_dkd),
              dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(_tile_ptrs(dv_ptr, b, h_kv, stride_dvb, stride_dvh, offs_n, stride_dvn, offs_d, stride_dvd),
+    tl.store(_tile_ptrs(dv_ptr, b, h_kv, stride_dvb, stride_dvh, row0_k + offs_n, stride_dvn, offs_d, stride_dvd),
              dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
@@ -208,8 +227,9 @@ def attention_bwd_dq_kernel(
     H_Q, N_Q, N_K, HEAD_DIM, GROUP,
     qk_scale, scale, pos_offset, window_left, window_right,
     softcap_log2, alibi_ptr, stride_alibi_b, stride_alibi_h,
+    cu_q_ptr, cu_k_ptr,  # VARLEN: as the forward (tensors viewed [1, H, total, d], lse and delta [Hq, total_q])
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -218,25 +238,42 @@ def attention_bwd_dq_kernel(
     b = pid_bh // H_Q
     h = pid_bh % H_Q
     h_kv = h // GROUP
+    rows0 = pid_bh.to(tl.int64) * N_Q  # this head's first lse / delta row
+    row0_q = 0
+    row0_k = 0
+    if VARLEN:  # b is the sequence: its rows come from the offsets, not from a batch stride
+        stride_qb = 0
+        stride_kb = 0
+        stride_vb = 0
+        stride_dob = 0
+        stride_dqb = 0
+        total_q = N_Q
+        row0_q, N_Q, row0_k, N_K = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
+        pos_offset = N_K - N_Q
+        row0_q = row0_q.to(tl.int64)
+        row0_k = row0_k.to(tl.int64)
+        rows0 = h.to(tl.int64) * total_q + row0_q
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < N_Q
     mask_d = offs_d < HEAD_DIM
     qm = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, offs_m, stride_qm, offs_d, stride_qd), mask=qm,
+    q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, row0_q + offs_m, stride_qm, offs_d, stride_qd), mask=qm,
                 other=0.0)
-    do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, offs_m, stride_dom, offs_d, stride_dod), mask=qm,
-                 other=0.0)
+    do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, row0_q + offs_m, stride_dom, offs_d, stride_dod),
+                 mask=qm, other=0.0)
     op_dtype = q.dtype
     if UPCAST_DOT:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse2, delta = _row_terms(lse_ptr, delta_ptr, pid_bh.to(tl.int64) * N_Q + offs_m, mask_m)
+    lse2, delta = _row_terms(lse_ptr, delta_ptr, rows0 + offs_m, mask_m)
     mask_base = (mask_ptr + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
                  + offs_m.to(tl.int64)[:, None] * stride_maskm)
     lo_tile, hi, _, _ = key_tile_ranges(m0, BLOCK_M, N_Q, N_K, pos_offset, window_left, window_right,
                                         HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    if VARLEN:  # a block past its sequence's end walks no key
+        hi = tl.where(m0 < N_Q, hi, lo_tile)
     alibi_log2 = 0.0
     if HAS_ALIBI:
         alibi_log2 = tl.load(alibi_ptr + b.to(tl.int64) * stride_alibi_b + h.to(tl.int64) * stride_alibi_h) * LOG2E
@@ -246,9 +283,9 @@ def attention_bwd_dq_kernel(
         offs_n = n0 + offs_n_base
         mask_n = offs_n < N_K
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, offs_n, stride_kn, offs_d, stride_kd),
+        k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, row0_k + offs_n, stride_kn, offs_d, stride_kd),
                     mask=kv_mask, other=0.0)
-        v = tl.load(_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, offs_n, stride_vn, offs_d, stride_vd),
+        v = tl.load(_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, row0_k + offs_n, stride_vn, offs_d, stride_vd),
                     mask=kv_mask, other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
@@ -267,5 +304,5 @@ def attention_bwd_dq_kernel(
             ds_op = ds_op.to(tl.float32)
         dq = tl.dot(ds_op, k, dq, input_precision=INPUT_PRECISION)
     dq = dq * scale
-    tl.store(_tile_ptrs(dq_ptr, b, h, stride_dqb, stride_dqh, offs_m, stride_dqm, offs_d, stride_dqd),
+    tl.store(_tile_ptrs(dq_ptr, b, h, stride_dqb, stride_dqh, row0_q + offs_m, stride_dqm, offs_d, stride_dqd),
              dq.to(dq_ptr.dtype.element_ty), mask=qm)

@@ -186,7 +186,7 @@ def _grid(Nq: int, block_m: int, heads: int) -> tuple:
 
 
 def _launch(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_right,
-                     input_precision, interpret, use_desc=None, kernel="auto", softcap=None, alibi=None):
+                     input_precision, interpret, use_desc=None, kernel="auto", softcap=None, alibi=None, varlen=None):
     """q/out [B, Hq, Nq, d], k/v [B, Hkv, Nk, d] (any strides); mask None or broadcastable strides
     [B, Hq, Nq, Nk] (0 where broadcast); lse None or contiguous fp32 [B, Hq, Nq].
 
@@ -194,13 +194,19 @@ def _launch(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_r
     slopes viewed as [B, Hq] (stride 0 where broadcast). ``kernel``: "auto" runs the warp-specialized Hopper
     kernel (ws.py) where it applies and ``use_desc`` is not forced, else the portable
     kernel; "ws" or "portable" force one ("ws" raises where it cannot run). Returns the config used
-    (``WARP_SPECIALIZE`` set when the warp-specialized kernel ran).
+    (``WARP_SPECIALIZE`` set when the warp-specialized kernel ran). ``varlen``: (cu_q, cu_k, max_q, max_k)
+    for packed sequences, q/k/v/out viewed [1, H, total, d] and lse [Hq, total_q] (portable kernel).
     """
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    grid_rows, grid_heads = Nq, B * Hq
+    if varlen is not None:
+        B = varlen[0].shape[0] - 1  # sequences: the kernel's b indexes the offsets
+        grid_rows, grid_heads = varlen[2], B * Hq
+        use_desc = False
     if kernel not in ("auto", "ws", "portable"):
         raise ValueError(f"kernel must be 'auto', 'ws' or 'portable', got {kernel!r}")
-    modified = softcap is not None or alibi is not None
+    modified = softcap is not None or alibi is not None or varlen is not None
     if (kernel != "portable" and not interpret and use_desc is None and not modified
             and ws_usable(q, k, v, out, mask)):
         return _launch_ws(q, k, v, out, lse, qk_scale=scale * LOG2E, pos_offset=pos_offset,
@@ -225,28 +231,29 @@ def _launch(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_r
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
             B, Hq, Nq, Nk, d, Hq // Hkv, Hkv,
             qk_scale, pos_offset, max(window_left, 0), max(window_right, 0),
-            sizes.m_bucket(Nq), sizes.m_bucket(Nk), softcap_log2,
-            alibi if alibi is not None else out, *(alibi.stride() if alibi is not None else (0, 0)))
+            sizes.m_bucket(grid_rows), sizes.m_bucket(varlen[3] if varlen is not None else Nk), softcap_log2,
+            alibi if alibi is not None else out, *(alibi.stride() if alibi is not None else (0, 0)),
+            *(varlen[:2] if varlen is not None else (out, out)))
     flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_MASK=has_mask,
                  MASK_IS_BOOL=mask_is_bool, HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi is not None,
-                 STORE_LSE=lse is not None, EVEN_D=d == block_d,
+                 VARLEN=varlen is not None, STORE_LSE=lse is not None, EVEN_D=d == block_d,
                  USE_DESC=use_desc, INPUT_PRECISION=input_precision, BLOCK_D=block_d,
-                 FLAT_GRID=B * Hq > MAX_GRID_Y)
+                 FLAT_GRID=grid_heads > MAX_GRID_Y)
     if interpret:
         cfg = INTERPRETER_CONFIG
-        grid = _grid(Nq, cfg["BLOCK_M"], B * Hq)
+        grid = _grid(grid_rows, cfg["BLOCK_M"], grid_heads)
         fastpath.launch(attention_fwd_kernel, grid, args, dict(flags, UPCAST_DOT=q.dtype == torch.bfloat16, **cfg))
         return cfg
 
     if Nq * Nk < AUTOTUNE_MIN_WORK:
         cfg = heuristic_config(block_d, q.element_size(), input_precision)
-        grid = _grid(Nq, cfg.kwargs["BLOCK_M"], B * Hq)
+        grid = _grid(grid_rows, cfg.kwargs["BLOCK_M"], grid_heads)
         fastpath.launch(attention_fwd_kernel, grid, args, dict(flags, UPCAST_DOT=False, **cfg.kwargs,
                                                                num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         return cfg
 
     def grid(meta):
-        return _grid(Nq, meta["BLOCK_M"], B * Hq)
+        return _grid(grid_rows, meta["BLOCK_M"], grid_heads)
 
     fastpath.launch(attention_fwd_tuned, grid, args, dict(flags, UPCAST_DOT=False))
     return attention_fwd_tuned.launched_config()
@@ -258,23 +265,31 @@ KERNELS = ("auto", "ws", "portable")
 
 
 def forward(q, k, v, mask, scale: float, pos_offset: int, window_left: int, window_right: int,
-            return_lse: bool, path, kernel: str = "auto", softcap=None, alibi=None):
+            return_lse: bool, path, kernel: str = "auto", softcap=None, alibi=None, varlen=None):
     """out [B, Hq, Nq, d] (contiguous) and lse fp32 [B, Hq, Nq] (or an empty tensor without
     ``return_lse``) for q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d] with Nq, Nk >= 1, mask None or a view of
     [B, Hq, Nq, Nk] (broadcast dims at stride 0). ``kernel``: "auto" (the rule in the module doc) or
     "ws" / "portable" to force one (benchmarks measure both side by side). ``softcap`` / ``alibi``: the
-    score modifiers (see ``_launch``)."""
+    score modifiers (see ``_launch``). ``varlen``: (cu_q, cu_k, max_q, max_k) for packed sequences with
+    q/k/v viewed [1, H, total, d]; out is then laid out [total_q, Hq, d] (returned as its [1, Hq, total_q, d]
+    view) and lse [1, Hq, total_q]."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    return _FORWARD.run((q, k, v, mask, alibi),
-                        (scale, pos_offset, window_left, window_right, return_lse, kernel, softcap),
+    cu = varlen[:2] if varlen is not None else (None, None)
+    return _FORWARD.run((q, k, v, mask, alibi, *cu),
+                        (scale, pos_offset, window_left, window_right, return_lse, kernel, softcap,
+                         None if varlen is None else varlen[2:]),
                         lambda: _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse,
-                                         path, kernel, softcap, alibi))
+                                         path, kernel, softcap, alibi, varlen))
 
 
-def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel, softcap, alibi):
+def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel, softcap, alibi,
+             varlen=None):
     B, Hq, Nq, d = q.shape
-    out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    if varlen is not None:  # the packed layout [total_q, Hq, d], seen as [1, Hq, total_q, d]
+        out = torch.empty((Nq, Hq, d), dtype=q.dtype, device=q.device).permute(1, 0, 2)[None]
+    else:
+        out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
     if q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
         precision = "ieee"
@@ -282,7 +297,7 @@ def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return
         precision = "tf32"  # fp32 with allow_tf32; ignored by tl.dot for 16-bit operands
     cfg = _launch(q, k, v, out, lse if return_lse else None, mask, scale=scale, pos_offset=pos_offset,
                   window_left=window_left, window_right=window_right, input_precision=precision,
-                  interpret=path == runtime.INTERPRETER, kernel=kernel, softcap=softcap, alibi=alibi)
+                  interpret=path == runtime.INTERPRETER, kernel=kernel, softcap=softcap, alibi=alibi, varlen=varlen)
     is_ws = isinstance(cfg, dict) and cfg.get("WARP_SPECIALIZE")
     launches.record("attention", path, "ws" if is_ws else "portable", lambda: tuning.describe(cfg))
     return out, lse
@@ -308,18 +323,19 @@ def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int, window_left: int,
-             window_right: int, path, softcap=None, alibi=None):
+             window_right: int, path, softcap=None, alibi=None, varlen=None):
     """(dq, dk, dv) of the attention op from dout [B, Hq, Nq, d] (any strides), the forward's q, k, v, out and
     lse (fp32 [B, Hq, Nq], contiguous), dlse (the lse output's gradient, same layout) or None, and the
     forward's mask and positions. dq/dk/dv contiguous in q's / k's / v's shapes, q's dtype."""
-    return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask, alibi),
-                         (scale, pos_offset, window_left, window_right, softcap),
+    cu = varlen[:2] if varlen is not None else (None, None)
+    return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask, alibi, *cu),
+                         (scale, pos_offset, window_left, window_right, softcap, None if varlen is None else varlen[2:]),
                          lambda: _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
-                                           window_right, path, softcap, alibi))
+                                           window_right, path, softcap, alibi, varlen))
 
 
 def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path, softcap,
-              alibi):
+              alibi, varlen=None):
     from tilefuse.kernels.attention.backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
                                                      attention_bwd_rowdot_kernel)
 
@@ -327,9 +343,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     Hkv, Nk = k.shape[1], k.shape[2]
     interpret = path == runtime.INTERPRETER
     block_d = max(16, next_pow2(d))
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # the inputs' layouts (packed ones included)
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     if q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
         precision = "ieee"
@@ -352,12 +366,17 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
                  INPUT_PRECISION=precision, UPCAST_DOT=upcast, BLOCK_D=block_d, **cfg)
     qk_scale, softcap_log2 = modifier_args(scale, softcap)
     positions = (qk_scale, scale, pos_offset, max(window_left, 0), max(window_right, 0), softcap_log2,
-                 alibi if alibi is not None else delta, *(alibi.stride() if alibi is not None else (0, 0)))
-    fastpath.launch(attention_bwd_dkdv_kernel, (cdiv(Nk, cfg["BLOCK_N"]), B * Hkv), (
+                 alibi if alibi is not None else delta, *(alibi.stride() if alibi is not None else (0, 0)),
+                 *(varlen[:2] if varlen is not None else (delta, delta)))
+    flags["VARLEN"] = varlen is not None
+    seqs, rows_q, rows_k = B, Nq, Nk
+    if varlen is not None:
+        seqs, rows_q, rows_k = varlen[0].shape[0] - 1, varlen[2], varlen[3]
+    fastpath.launch(attention_bwd_dkdv_kernel, (cdiv(rows_k, cfg["BLOCK_N"]), seqs * Hkv), (
         q, k, v, dout, lse, delta, mask_arg, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *dk.stride(), *dv.stride(),
         Hq, Hkv, Nq, Nk, d, Hq // Hkv, *positions), flags)
-    fastpath.launch(attention_bwd_dq_kernel, (cdiv(Nq, cfg["BLOCK_M"]), B * Hq), (
+    fastpath.launch(attention_bwd_dq_kernel, (cdiv(rows_q, cfg["BLOCK_M"]), seqs * Hq), (
         q, k, v, dout, lse, delta, mask_arg, dq,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *dq.stride(),
         Hq, Nq, Nk, d, Hq // Hkv, *positions), flags)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head, score_modifiers
+from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head, score_modifiers, varlen_sequence
 # A finite additive mask below this would overflow to -inf once multiplied by log2(e); clamping keeps
 # Hugging Face's finfo.min padding finite (a fully masked row then averages uniformly, as torch does).
 MASK_FLOOR = tl.constexpr(-2.3e38)
@@ -128,9 +128,13 @@ def attention_fwd_kernel(
     Q_BUCKET, K_BUCKET,  # autotune keys only (next power of two of N_Q, N_K)
     softcap_log2,   # HAS_SOFTCAP: softcap * log2(e) (and qk_scale is scale / softcap)
     alibi_ptr, stride_alibi_b, stride_alibi_h,  # HAS_ALIBI: fp32 slopes [B, Hq] (stride 0 where broadcast)
+    # VARLEN: B packed sequences in tensors viewed [1, H, total, d]; N_Q / N_K are the totals and each
+    # sequence's rows come from its offsets cu_q[b]..cu_q[b + 1] (keys likewise), aligned bottom-right;
+    # the lse is [Hq, total_q].
+    cu_q_ptr, cu_k_ptr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
     STORE_LSE: tl.constexpr, EVEN_D: tl.constexpr, USE_DESC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr = False,
@@ -139,6 +143,21 @@ def attention_fwd_kernel(
     b = pid_bh // H_Q
     h = pid_bh % H_Q
     h_kv = h // GROUP
+    lse_row0 = pid_bh.to(tl.int64) * N_Q
+    row0_q = 0
+    row0_k = 0
+    if VARLEN:
+        # b is the sequence: its rows are found from the offsets, not from a batch stride.
+        stride_qb = 0
+        stride_kb = 0
+        stride_vb = 0
+        stride_ob = 0
+        total_q = N_Q
+        row0_q, N_Q, row0_k, N_K = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
+        pos_offset = N_K - N_Q
+        row0_q = row0_q.to(tl.int64)
+        row0_k = row0_k.to(tl.int64)
+        lse_row0 = h.to(tl.int64) * total_q + row0_q
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -150,11 +169,15 @@ def attention_fwd_kernel(
     # ---- key range: every key some row of this block may see, and the part all rows see --------
     lo_tile, hi, full_start, full_end = key_tile_ranges(m0, BLOCK_M, N_Q, N_K, pos_offset, window_left,
                                                         window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    if VARLEN:  # a block past its sequence's end (the grid covers the longest) walks no key
+        hi = tl.where(m0 < N_Q, hi, lo_tile)
+        full_start = tl.where(m0 < N_Q, full_start, lo_tile)
+        full_end = tl.where(m0 < N_Q, full_end, lo_tile)
 
     # ---- base addresses (64-bit: B*H*N*d can pass 2**31) ----------------------------------------
-    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + row0_q * stride_qm
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + row0_k * stride_kn
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + row0_k * stride_vn
     mask_ptrs = mask_ptr
     if HAS_MASK:
         mask_ptrs = (mask_ptr + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
@@ -216,7 +239,7 @@ def attention_fwd_kernel(
     if STORE_LSE:
         # Natural-log LSE of the scaled scores: (m + log2 l) * ln 2.
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        lse_ptrs = lse_ptr + pid_bh.to(tl.int64) * N_Q + offs_m
+        lse_ptrs = lse_ptr + lse_row0 + offs_m
         tl.store(lse_ptrs, lse, mask=mask_m)
     out = out.to(o_ptr.dtype.element_ty)
     if USE_DESC:
@@ -226,5 +249,5 @@ def attention_fwd_kernel(
         o_desc.store([b, h, m0, 0], out.reshape(1, 1, BLOCK_M, BLOCK_D))
     else:
         o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                  + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
+                  + (row0_q + offs_m).to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
         tl.store(o_ptrs, out, mask=mask_m[:, None] & mask_d[None, :])

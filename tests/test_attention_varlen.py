@@ -1,0 +1,117 @@
+"""tilefuse.attention_varlen and flash_attn_varlen_func: packed sequences against float64 per-sequence
+references (lengths 0 and 1 included), forward and backward, offsets validated or clamped."""
+import pytest
+import torch
+
+import tilefuse
+from helpers import ON_GPU, assert_close
+from tilefuse.opspec import REL_L2_BOUND
+from tilefuse.reference import attention as ref_attention
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+BOUND = REL_L2_BOUND[DTYPE]
+LENS_Q = [300, 0, 257, 1, 700] if ON_GPU else [5, 0, 17, 1, 33]
+LENS_K = [310, 3, 257, 1, 800] if ON_GPU else [7, 3, 17, 1, 40]
+
+
+def _offsets(lengths, dtype, device):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=dtype, device=device)
+
+
+def _packed(device, hq=4, hkv=2, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(LENS_Q), hq, d, generator=g).to(device, DTYPE)
+    k = torch.randn(sum(LENS_K), hkv, d, generator=g).to(device, DTYPE)
+    v = torch.randn(sum(LENS_K), hkv, d, generator=g).to(device, DTYPE)
+    return q, k, v
+
+
+def _reference(q, k, v, dout, causal, window, softcap, slopes):
+    """(out, lse [Hq, total_q], dq, dk, dv) in float64, one sequence at a time with tilefuse.attention's
+    bottom-right alignment."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    cq, ck = _offsets(LENS_Q, torch.int64, "cpu").tolist(), _offsets(LENS_K, torch.int64, "cpu").tolist()
+    for i in range(len(LENS_Q)):
+        rq, rk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if LENS_Q[i] == 0 or LENS_K[i] == 0:
+            continue
+        qi, ki, vi = (t[r].detach().cpu().double().permute(1, 0, 2)[None].requires_grad_()
+                      for t, r in ((q, rq), (k, rk), (v, rk)))
+        o, l = ref_attention.attention(qi, ki, vi, causal=causal, window=window, softcap=softcap,
+                                       alibi_slopes=None if slopes is None else slopes.cpu().double(), return_lse=True)
+        o.backward(dout[rq].cpu().double().permute(1, 0, 2)[None])
+        out[rq], lse[:, rq] = o[0].permute(1, 0, 2).detach(), l[0].detach()
+        for gsum, t, r in zip(grads, (qi, ki, vi), (rq, rk, rk)):
+            gsum[r] = t.grad[0].permute(1, 0, 2)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("causal,window,softcap,alibi,offset_dtype", [
+    (False, None, None, False, torch.int32), (True, None, None, False, torch.int64),
+    (True, (40, -1), 4.0, True, torch.int32), (False, (9, 3), None, True, torch.int64)])
+def test_matches_per_sequence_attention(device, causal, window, softcap, alibi, offset_dtype):
+    q, k, v = _packed(device)
+    slopes = torch.rand(4, generator=torch.Generator().manual_seed(1)).to(device) if alibi else None
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(device, DTYPE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = tilefuse.attention_varlen(*leaves, _offsets(LENS_Q, offset_dtype, device),
+                                         _offsets(LENS_K, offset_dtype, device), max(LENS_Q), max(LENS_K),
+                                         causal=causal, window=window, softcap=softcap, alibi_slopes=slopes,
+                                         return_lse=True)
+    out.backward(dout)
+    want_out, want_lse, want_grads = _reference(q, k, v, dout, causal, window, softcap, slopes)
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (4, q.shape[0])
+    assert_close(out, want_out, BOUND, "out")
+    assert_close(lse, want_lse, 1e-5 if DTYPE == torch.float32 else 1e-3, "lse")
+    for got, want, name in zip(leaves, want_grads, "qkv"):
+        assert_close(got.grad, want, BOUND, f"d{name}")
+
+
+def test_flash_attn_varlen_func(device):
+    q, k, v = _packed(device, hq=2, hkv=2)
+    cq, ck = _offsets(LENS_Q, torch.int32, device), _offsets(LENS_K, torch.int32, device)
+    out, lse, probs = tilefuse.flash_attn_varlen_func(q, k, v, cq, ck, max(LENS_Q), max(LENS_K), causal=True,
+                                                      return_attn_probs=True)
+    want = tilefuse.attention_varlen(q, k, v, cq, ck, max(LENS_Q), max(LENS_K), causal=True)
+    assert probs is None and lse.shape == (2, q.shape[0])
+    assert torch.equal(out, want)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        tilefuse.flash_attn_varlen_func(q, k, v, cq, ck, max(LENS_Q), max(LENS_K), dropout_p=0.1)
+
+
+@pytest.mark.parametrize("cu_q,exc,match", [
+    ([1, 5, 10], ValueError, "must start at 0"),
+    ([0, 5, 9], ValueError, "must end at the total length"),
+    ([0, 7, 5, 10], ValueError, "non-decreasing"),
+    ([0, 9, 10], ValueError, "above its max_seqlen"),
+])
+def test_bad_offsets_are_refused_when_validated(device, cu_q, exc, match):
+    q = torch.randn(10, 2, 16, device=device, dtype=DTYPE)
+    cu = torch.tensor(cu_q, dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + [10] * (len(cu_q) - 1), dtype=torch.int32, device=device)
+    with pytest.raises(exc, match=match):
+        tilefuse.attention_varlen(q, q, q, cu, cu_k, 8, 10)
+
+
+def test_offset_dtype_is_checked(device):
+    q = torch.randn(10, 2, 16, device=device, dtype=DTYPE)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        tilefuse.attention_varlen(q, q, q, torch.tensor([0.0, 10.0], device=device),
+                                  torch.tensor([0, 10], device=device), 10, 10)
+
+
+def test_bad_offsets_without_validation_stay_inside_the_tensors(device):
+    """validate=False with offsets past the totals, decreasing and negative: the kernels clamp them, so
+    nothing outside q, k, v or the output is touched (the interpreter would fault; on the GPU the
+    compute-sanitizer run of these tests checks it) and the result is finite."""
+    q, k, v = _packed(device)
+    total_q, total_k = q.shape[0], k.shape[0]
+    cq = torch.tensor([0, total_q + 50, 3, -7, total_q, 10 * total_q], dtype=torch.int32, device=device)
+    ck = torch.tensor([-5, 2, total_k + 9, 1, total_k, total_k], dtype=torch.int64, device=device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = tilefuse.attention_varlen(*leaves, cq, ck, max(LENS_Q), max(LENS_K), causal=True, validate=False)
+    out.float().sum().backward()
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
