@@ -11,6 +11,7 @@ from tilefuse.ops.attention import (attention, attention_varlen, flash_attn_func
                                    flash_attn_qkvpacked_func, flash_attn_varlen_func, scaled_dot_product_attention)
 from tilefuse.ops.norms import layer_norm, layer_norm_linear, rms_norm
 from tilefuse.ops.softmax import softmax
+from tilefuse.ops.cross_entropy import linear_cross_entropy
 from tilefuse import nn
 
 # The one place the version is written: pyproject.toml reads it from here (dynamic = ["version"]).
@@ -18,4 +19,4 @@ __version__ = "0.1.0"
 
 __all__ = ["linear", "attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func", "layer_norm", "rms_norm", "layer_norm_linear",
-           "softmax", "nn", "__version__"]
+           "softmax", "linear_cross_entropy", "nn", "__version__"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tilefuse.constants import ACTIVATIONS
+from tilefuse.ops.cross_entropy import linear_cross_entropy
 from tilefuse.ops.linear import linear
 from tilefuse.ops.norms import layer_norm_linear
 
@@ -149,3 +150,30 @@ class LayerNormLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
+
+
+class LinearCrossEntropy(torch.nn.Module):
+    """The LM head and its loss in one: ``cross_entropy(linear(x), target)`` by
+    :func:`tilefuse.linear_cross_entropy`, the logits never materialised. It holds the given
+    ``torch.nn.Linear`` (the head) or ``torch.nn.Embedding`` (a tied embedding) under ``head``, sharing its
+    parameters; ``forward(x, target)`` returns the loss."""
+
+    def __init__(self, linear_or_embedding: torch.nn.Linear | torch.nn.Embedding, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0, softcap: float | None = None) -> None:
+        super().__init__()
+        if not isinstance(linear_or_embedding, (torch.nn.Linear, torch.nn.Embedding)):
+            raise TypeError("linear_or_embedding must be a torch.nn.Linear or torch.nn.Embedding, got "
+                            f"{type(linear_or_embedding).__name__}")
+        self.head = linear_or_embedding
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.softcap = label_smoothing, softcap
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.head, "bias", None)
+        return linear_cross_entropy(x, self.head.weight, target, bias, ignore_index=self.ignore_index,
+                                    reduction=self.reduction, label_smoothing=self.label_smoothing,
+                                    softcap=self.softcap)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, softcap={self.softcap}")

@@ -458,3 +458,73 @@ def _launch_backward(kernel, tuned, args, flags, interpret, grid):
         return cfg
     fastpath.launch(tuned, grid, args, dict(flags, UPCAST_DOT=False))
     return tuned.launched_config()
+
+
+# ---- linear + cross-entropy ------------------------------------------------------------------------
+# One tile shape (not tuned yet): 64 tokens x 128 vocabulary columns, K in 64-wide steps; the interpreter
+# takes 64 x 64 x 32 (its cost is per program).
+LCE_TILE = dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
+LCE_INTERPRETER_TILE = dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32)
+
+
+def _lce_tile(path):
+    return LCE_INTERPRETER_TILE if path == runtime.INTERPRETER else LCE_TILE
+
+
+def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float, softcap, path):
+    """(loss per row fp32 [M], lse fp32 [M]) of ``cross_entropy(x2d @ w^T + b, target)`` for x2d [M, K] and
+    w [V, K] with unit inner strides, target int [M]: 0 on rows whose target is ``ignore_index``, NaN where
+    the target is outside [0, V). The vocabulary is cut into slices (enough programs for the GPU); their
+    partial (max, sum of exp, target logit, logit sum) merge here."""
+    from tilefuse.kernels.gemm.cross_entropy import lce_forward_kernel
+
+    M, K = x2d.shape
+    V = w.shape[0]
+    tile = _lce_tile(path)
+    blocks = cdiv(M, tile["BLOCK_M"])
+    vtiles = cdiv(V, tile["BLOCK_V"])
+    if path == runtime.INTERPRETER:
+        splits = min(4, vtiles)
+    else:
+        splits = max(1, min(vtiles, cdiv(2 * runtime.device_facts(x2d.device)[1], blocks)))
+    v_slice = cdiv(vtiles, splits) * tile["BLOCK_V"]
+    splits = cdiv(V, v_slice)
+    part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
+    fastpath.launch(lce_forward_kernel, (blocks, splits), (
+        x2d, w, b if b is not None else w, target, part, M, V, K, v_slice, x2d.stride(0), w.stride(0),
+        float(softcap or 0.0)),
+        dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None,
+             UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
+    launches.record("linear_cross_entropy", path, f"online lse over {splits} vocabulary slices",
+                    lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
+    m = part[0].amax(0)
+    lse = m + torch.log((part[1] * torch.exp(part[0] - m)).sum(0))
+    z_t, z_sum = part[2].sum(0), part[3].sum(0)
+    loss = (1.0 - smoothing) * (lse - z_t) + smoothing * (lse - z_sum / V)
+    ignored = target == ignore_index
+    valid = (target >= 0) & (target < V)
+    loss = torch.where(ignored, 0.0, torch.where(valid, loss, float("nan")))
+    return loss, lse
+
+
+def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: float, softcap, need_dx, need_dw,
+                                  need_db, path):
+    """(dx [M, K] in x's dtype, dW [V, K] in w's, db [V] in b's; empty where not asked) from dloss fp32 [M]
+    (0 on rows that get no gradient), recomputing each logit tile; fp32 atomics accumulate."""
+    from tilefuse.kernels.gemm.cross_entropy import lce_backward_kernel
+
+    M, K = x2d.shape
+    V = w.shape[0]
+    tile = _lce_tile(path)
+    dx = torch.zeros((M, K) if need_dx else (0,), dtype=torch.float32, device=x2d.device)
+    dw = torch.zeros((V, K) if need_dw else (0,), dtype=torch.float32, device=x2d.device)
+    db = torch.zeros((V,) if need_db else (0,), dtype=torch.float32, device=x2d.device)
+    fastpath.launch(lce_backward_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(V, tile["BLOCK_V"])), (
+        x2d, w, b if b is not None else w, target, lse, dloss, dx if need_dx else lse, dw if need_dw else lse,
+        db if need_db else lse, M, V, K, x2d.stride(0), w.stride(0), float(softcap or 0.0), float(smoothing)),
+        dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, NEED_DX=need_dx, NEED_DW=need_dw,
+             NEED_DB=need_db, UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
+    launches.record("linear_cross_entropy_backward", path, "logit tiles recomputed, fp32 atomics",
+                    lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
+    return (dx.to(x2d.dtype) if need_dx else dx, dw.to(w.dtype) if need_dw else dw,
+            db.to(b.dtype) if need_db and b is not None else db)

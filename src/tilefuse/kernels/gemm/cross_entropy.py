@@ -1,0 +1,144 @@
+"""The LM head without logits: ``cross_entropy(x @ W^T + b, target)`` with the [tokens, V] logits kept in
+on-chip tiles, forward and backward.
+
+Forward (``lce_forward_kernel``): a program per (token block, vocabulary slice) streams the slice's W tiles
+through a tiled GEMM and folds each logit tile into a running max / sum of exponentials (the online
+softmax), the target's logit and the logits' sum (for label smoothing); the slices' partials are merged on
+the host side of the launch layer (4 floats per token and slice). Backward (``lce_backward_kernel``): a
+program per (token block, vocabulary tile) recomputes its logit tile, makes
+``dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V))`` (times 1 - tanh^2 under the
+softcap) and adds ``dz @ W`` into dx and ``dz^T @ x`` into dW (and the column sums into db) with fp32
+atomics, K tile by K tile: no [tokens, V] tensor exists in any dtype.
+HBM bytes (element size s, T tokens): eager writes the logits and reads them back at least twice (softmax,
+its gradient) and writes their gradient: >= 4 * T * V * s beyond the GEMMs' operands; fused: the GEMM
+operands (x read per vocabulary slice, W per token block, from L2 where they fit), 16 bytes per token and
+slice, and the fp32 gradient accumulators (dx T*K*4, dW V*K*4).
+Rows whose target is ``ignore_index`` contribute nothing; a target outside [0, V) gets a NaN loss (the
+launch layer) and no gradient, and is never used as an address.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tilefuse.kernels.activations import tanh
+
+
+@triton.jit
+def _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
+                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(logits z [BLOCK_M, BLOCK_V] fp32 after bias and softcap, tanh of the capped argument) for the
+    token rows and vocabulary columns given; columns past V come back as -inf."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = (k0 + offs_k) < K
+        x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + offs_v.to(tl.int64)[None, :] * stride_wv + (k0 + offs_k)[:, None],
+                    mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # [BLOCK_K, BLOCK_V]
+        if UPCAST_DOT:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, w, acc)
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
+    t = acc
+    if HAS_SOFTCAP:
+        t = tanh(acc / softcap)
+        acc = softcap * t
+    return tl.where(mask_v[None, :], acc, float("-inf")), t
+
+
+@triton.jit
+def lce_forward_kernel(
+    x_ptr, w_ptr, b_ptr, target_ptr, part_ptr,  # part: fp32 [4, SPLITS, M]: max, sum of exp, z_target, sum z
+    M, V, K, V_SLICE,                            # V_SLICE: vocabulary columns per slice (a multiple of BLOCK_V)
+    stride_xm, stride_wv, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_m64 = offs_m.to(tl.int64)
+    target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    z_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    z_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    v_begin = split * V_SLICE
+    v_end = tl.minimum(V, v_begin + V_SLICE)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < v_end
+        z, _ = _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
+                           HAS_BIAS, HAS_SOFTCAP, UPCAST_DOT, BLOCK_M, BLOCK_V, BLOCK_K)
+        m_new = tl.maximum(m_i, tl.max(z, 1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
+        m_i = m_new
+        hit = offs_v.to(tl.int64)[None, :] == target[:, None]
+        z_t += tl.sum(tl.where(hit, z, 0.0), 1)
+        z_sum += tl.sum(tl.where(mask_v[None, :], z, 0.0), 1)
+    base = part_ptr + split.to(tl.int64) * M + offs_m64
+    plane = splits.to(tl.int64) * M
+    tl.store(base, m_i, mask=mask_m)
+    tl.store(base + plane, l_i, mask=mask_m)
+    tl.store(base + 2 * plane, z_t, mask=mask_m)
+    tl.store(base + 3 * plane, z_sum, mask=mask_m)
+
+
+@triton.jit
+def lce_backward_kernel(
+    x_ptr, w_ptr, b_ptr, target_ptr, lse_ptr, dloss_ptr,  # dloss: fp32 [M], 0 on rows with no gradient
+    dx_ptr, dw_ptr, db_ptr,                               # fp32 accumulators [M, K], [V, K], [V] (zeroed)
+    M, V, K,
+    stride_xm, stride_wv, softcap, smoothing,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_m = offs_m < M
+    mask_v = offs_v < V
+    offs_m64 = offs_m.to(tl.int64)
+    z, t = _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
+                       HAS_BIAS, HAS_SOFTCAP, UPCAST_DOT, BLOCK_M, BLOCK_V, BLOCK_K)
+    lse = tl.load(lse_ptr + offs_m64, mask=mask_m, other=0.0)
+    dloss = tl.load(dloss_ptr + offs_m64, mask=mask_m, other=0.0)
+    target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
+    p = tl.exp(z - lse[:, None])  # 0 on columns past V (z = -inf)
+    onehot = tl.where(offs_v.to(tl.int64)[None, :] == target[:, None], 1.0, 0.0)
+    dz = (1.0 - smoothing) * (p - onehot) + smoothing * (p - 1.0 / V)
+    dz = tl.where(mask_v[None, :] & mask_m[:, None], dz * dloss[:, None], 0.0)
+    if HAS_SOFTCAP:
+        dz = dz * (1.0 - t * t)
+    if NEED_DB:
+        tl.atomic_add(db_ptr + offs_v, tl.sum(dz, 0), mask=mask_v)
+    dz_op = dz.to(x_ptr.dtype.element_ty)
+    if UPCAST_DOT:
+        dz_op = dz_op.to(tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        if NEED_DX:
+            w = tl.load(w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv + ks[None, :],
+                        mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+            if UPCAST_DOT:
+                w = w.to(tl.float32)
+            tl.atomic_add(dx_ptr + offs_m64[:, None] * K + ks[None, :], tl.dot(dz_op, w),
+                          mask=mask_m[:, None] & mask_k[None, :])
+        if NEED_DW:
+            x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + ks[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            if UPCAST_DOT:
+                x = x.to(tl.float32)
+            tl.atomic_add(dw_ptr + offs_v.to(tl.int64)[:, None] * K + ks[None, :], tl.dot(tl.trans(dz_op), x),
+                          mask=mask_v[:, None] & mask_k[None, :])

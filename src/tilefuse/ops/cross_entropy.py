@@ -1,0 +1,202 @@
+"""tilefuse.linear_cross_entropy: ``F.cross_entropy(F.linear(x, weight, bias), target)`` without the logits.
+
+Registered as ``tilefuse::linear_cross_entropy`` (per-row losses and lse) with autograd through
+``tilefuse::linear_cross_entropy_backward``; the reduction ("mean" / "sum" / "none") is plain torch on the
+per-row losses, so autograd carries the incoming gradient to each row.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tilefuse import runtime
+from tilefuse.ops import _dispatch
+from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _gemm_launch():
+    from tilefuse.ops.linear import _gemm_launch as launch
+    return launch()
+
+
+def _reference_rows(x2d, weight, bias, target, ignore_index, smoothing, softcap):
+    """(loss per row, lse) in fp32 by the plain PyTorch ops (the logits materialised)."""
+    z = torch.nn.functional.linear(x2d.float(), weight.float(), None if bias is None else bias.float())
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    V = weight.shape[0]
+    valid = (target >= 0) & (target < V)
+    lse = torch.logsumexp(z, -1)
+    z_t = z.gather(1, torch.where(valid, target, 0).long()[:, None])[:, 0]
+    # torch's label smoothing: (1 - eps) * -log p_target + eps * mean over classes of -log p
+    loss = (1 - smoothing) * (lse - z_t) + smoothing * (lse - z.mean(-1))
+    loss = torch.where(target == ignore_index, 0.0, torch.where(valid, loss, float("nan")))
+    return loss, lse
+
+
+def _reference_backward(dloss, x2d, weight, bias, target, lse, smoothing, softcap):
+    z = torch.nn.functional.linear(x2d.float(), weight.float(), None if bias is None else bias.float())
+    t = None
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = softcap * t
+    V = weight.shape[0]
+    p = torch.exp(z - lse[:, None])
+    onehot = torch.zeros_like(p)
+    valid = (target >= 0) & (target < V)
+    onehot[valid.nonzero()[:, 0], target[valid].long()] = 1.0
+    dz = ((1 - smoothing) * (p - onehot) + smoothing * (p - 1.0 / V)) * dloss[:, None]
+    if t is not None:
+        dz = dz * (1 - t * t)
+    return dz @ weight.float(), dz.t() @ x2d.float(), dz.sum(0)
+
+
+def _rows_impl(x2d, weight, bias, target, ignore_index, smoothing, softcap):
+    path = runtime.execution_path(x2d)
+    if path == runtime.REFERENCE or x2d.shape[0] == 0 or x2d.shape[1] == 0:
+        _dispatch.record_reference("linear_cross_entropy", path)
+        return _reference_rows(x2d, weight, bias, target, ignore_index, smoothing, softcap)
+    with _dispatch.on_device(x2d):
+        return _gemm_launch().linear_cross_entropy(x2d, weight, bias, target, ignore_index, smoothing, softcap, path)
+
+
+@torch.library.custom_op("tilefuse::linear_cross_entropy", mutates_args=())
+def _lce_op(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
+            ignore_index: int, label_smoothing: float, softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rows_impl(x2d, weight, bias, target, ignore_index, label_smoothing, softcap)
+
+
+@_lce_op.register_fake
+def _(x2d, weight, bias, target, ignore_index, label_smoothing, softcap):
+    rows = x2d.shape[0]
+    return x2d.new_empty((rows,), dtype=torch.float32), x2d.new_empty((rows,), dtype=torch.float32)
+
+
+def _backward_impl(dloss, x2d, weight, bias, target, lse, smoothing, softcap, need_dx, need_dw, need_db):
+    path = runtime.execution_path(x2d)
+    if path == runtime.REFERENCE or x2d.shape[0] == 0 or x2d.shape[1] == 0:
+        _dispatch.record_reference("linear_cross_entropy_backward", path)
+        dx, dw, db = _reference_backward(dloss, x2d, weight, bias, target, lse, smoothing, softcap)
+        return (dx.to(x2d.dtype) if need_dx else x2d.new_empty((0,)), dw.to(weight.dtype) if need_dw else
+                x2d.new_empty((0,)), db.to(bias.dtype) if need_db else x2d.new_empty((0,)))
+    with _dispatch.on_device(x2d):
+        return _gemm_launch().linear_cross_entropy_backward(dloss, x2d, weight, bias, target, lse, smoothing, softcap,
+                                                            need_dx, need_dw, need_db, path)
+
+
+@torch.library.custom_op("tilefuse::linear_cross_entropy_backward", mutates_args=())
+def _lce_backward_op(dloss: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     target: torch.Tensor, lse: torch.Tensor, label_smoothing: float, softcap: Optional[float],
+                     need_dx: bool, need_dw: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(dloss, x2d, weight, bias, target, lse, label_smoothing, softcap, need_dx, need_dw, need_db)
+
+
+@_lce_backward_op.register_fake
+def _(dloss, x2d, weight, bias, target, lse, label_smoothing, softcap, need_dx, need_dw, need_db):
+    return (torch.empty(x2d.shape if need_dx else (0,), dtype=x2d.dtype, device=x2d.device),
+            torch.empty(weight.shape if need_dw else (0,), dtype=weight.dtype, device=x2d.device),
+            torch.empty(bias.shape if need_db else (0,), dtype=x2d.dtype if bias is None else bias.dtype,
+                        device=x2d.device))
+
+
+def _setup(ctx, inputs, output):
+    x2d, weight, bias, target, ignore_index, label_smoothing, softcap = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x2d, weight, bias, target, output[1])
+    ctx.args = (ignore_index, label_smoothing, softcap)
+
+
+def _backward(ctx, dloss, dlse):
+    x2d, weight, bias, target, lse = ctx.saved_tensors
+    ignore_index, smoothing, softcap = ctx.args
+    needs = ctx.needs_input_grad
+    need_dx, need_dw, need_db = needs[0], needs[1], bias is not None and needs[2]
+    if dloss is None or not (need_dx or need_dw or need_db):
+        return (None,) * 7
+    # Rows with no gradient: ignored targets, and targets outside [0, V) (their loss is NaN).
+    keep = (target != ignore_index) & (target >= 0) & (target < weight.shape[0])
+    dloss = torch.where(keep, dloss.float(), 0.0).contiguous()
+    args = (dloss, x2d, weight, bias, target, lse, smoothing, softcap, need_dx, need_dw, need_db)
+    if _dispatch.direct(dloss, x2d, weight, bias, target, lse):
+        dx, dw, db = _backward_impl(*args)
+    else:
+        dx, dw, db = _lce_backward_op(*args)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None, None, None)
+
+
+_lce_op.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
+                         *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         softcap: float | None = None, return_lse: bool = False, check_targets: bool = True):
+    """``F.cross_entropy(F.linear(x, weight, bias), target, ignore_index=..., reduction=...,
+    label_smoothing=...)`` without materialising the logits: vocabulary tiles stream through the GEMM with an
+    online log-sum-exp, and the backward recomputes each logit tile. x ``[..., K]``; weight ``[V, K]`` (the LM
+    head or a tied embedding, read in place); target int64 or int32 ``[...]``. Returns fp32: a scalar for
+    "mean" / "sum", ``[...]`` for "none"; ``softcap`` is Gemma 2's ``softcap * tanh(z / softcap)`` on the
+    logits; ``return_lse`` also returns the per-token lse (fp32, not differentiable). ``check_targets``
+    checks that every target is in [0, V) or ``ignore_index`` (one host synchronisation); without it such a
+    row's loss is NaN and the kernels never use it as an address."""
+    cast = _dispatch.autocast_dtype(x) if isinstance(x, torch.Tensor) else None
+    if cast is not None:  # no torch counterpart: runs in the autocast dtype, the loss in fp32
+        x, weight, bias = _dispatch.cast_floats(cast, x, weight, bias)
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    if bias is not None:
+        check_tensor("bias", bias)
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int32, torch.int64):
+        what = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
+        raise TypeError(f"target must be an int64 or int32 tensor, got {what}")
+    if weight.dim() != 2 or weight.shape[0] == 0:
+        raise ValueError(f"weight must be [V, K] with V >= 1, got shape {tuple(weight.shape)}")
+    V, K = weight.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x must be [..., K] with K = weight.shape[1] = {K}, got shape {tuple(x.shape)}")
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"target must have x's leading shape {tuple(x.shape[:-1])}, got {tuple(target.shape)}")
+    if bias is not None and tuple(bias.shape) != (V,):
+        raise ValueError(f"bias must have shape [{V}], got {tuple(bias.shape)}")
+    check_same_dtype("weight", weight, "x", x)
+    if bias is not None:
+        check_same_dtype("bias", bias, "x", x)
+    for name, t in (("weight", weight), ("bias", bias), ("target", target)):
+        if t is not None:
+            check_same_device(name, t, "x", x)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or \
+            not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or
+                                not softcap > 0 or softcap == float("inf")):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    if check_targets and target.numel():
+        bad = ((target < 0) | (target >= V)) & (target != ignore_index)
+        if bool(bad.any()):
+            raise ValueError(f"target holds {int(bad.sum())} value(s) outside [0, {V}) that are not ignore_index "
+                             f"({ignore_index}), e.g. {int(target[bad].flatten()[0])}")
+    x2d = x.reshape(-1, K)
+    if K > 1 and x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    if K > 1 and weight.stride(1) != 1:
+        weight = weight.contiguous()  # the kernels read W rows with a unit column stride
+    t1d = target.reshape(-1).contiguous()
+    bias = None if bias is None else bias.contiguous()
+    args = (x2d, weight, bias, t1d, int(ignore_index), float(label_smoothing),
+            None if softcap is None else float(softcap))
+    if _dispatch.direct(x2d, weight, bias, t1d):
+        rows, lse = _rows_impl(*args)
+    else:
+        rows, lse = _lce_op(*args)
+    if reduction == "none":
+        loss = rows.view(target.shape)
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        loss = rows.sum() / (t1d != ignore_index).sum()
+    return (loss, lse.view(target.shape)) if return_lse else loss

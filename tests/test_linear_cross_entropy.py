@@ -1,0 +1,103 @@
+"""tilefuse.linear_cross_entropy beyond the registry grid: targets checked or not, all-ignored batches,
+return_lse, torch.compile with ignore_index, the module, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilefuse
+from helpers import ON_GPU, assert_close
+from tilefuse.opspec import REL_L2_BOUND
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+BOUND = REL_L2_BOUND[DTYPE]
+M, K, V = (1000, 512, 5003) if ON_GPU else (30, 40, 130)
+
+
+def _inputs(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(device, DTYPE)
+    w = (torch.randn(V, K, generator=g) / K ** 0.5).to(device, DTYPE)
+    t = torch.randint(0, V, (M,), generator=g).to(device)
+    t[::4] = -100
+    return x, w, t
+
+
+def _eager(x, w, t, **kw):
+    return F.cross_entropy(F.linear(x.double(), w.double()), t, **kw)
+
+
+def test_out_of_range_targets(device):
+    x, w, t = _inputs(device)
+    bad = t.clone()
+    bad[1] = V
+    with pytest.raises(ValueError, match=r"outside \[0"):
+        tilefuse.linear_cross_entropy(x, w, bad)
+    rows = tilefuse.linear_cross_entropy(x, w, bad, reduction="none", check_targets=False)
+    assert rows[1].isnan() and torch.isfinite(rows[2:]).all()  # that row only, never an out-of-bounds read
+    leaves = [u.clone().requires_grad_() for u in (x, w)]
+    tilefuse.linear_cross_entropy(*leaves, bad, reduction="none", check_targets=False)[2:].sum().backward()
+    assert all(torch.isfinite(u.grad).all() for u in leaves)
+
+
+def test_all_ignored_gives_what_torch_gives(device):
+    x, w, t = _inputs(device)
+    t.fill_(-100)
+    got = tilefuse.linear_cross_entropy(x, w, t)
+    assert got.isnan() and _eager(x, w, t).isnan()  # mean over zero tokens
+    assert tilefuse.linear_cross_entropy(x, w, t, reduction="sum") == 0
+
+
+def test_return_lse(device):
+    x, w, t = _inputs(device)
+    loss, lse = tilefuse.linear_cross_entropy(x, w, t, return_lse=True)
+    assert lse.shape == t.shape and lse.dtype == torch.float32 and not lse.requires_grad
+    assert_close(lse, torch.logsumexp(F.linear(x.double(), w.double()), -1), 1e-5 if DTYPE == torch.float32
+                 else 1e-3, "lse")
+
+
+def test_under_torch_compile_fullgraph_with_ignore_index(device):
+    x, w, t = _inputs(device)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: tilefuse.linear_cross_entropy(x, w, t, check_targets=False), fullgraph=True,
+                       backend="inductor" if ON_GPU else "aot_eager")
+    leaves = [u.clone().requires_grad_() for u in (x, w)]
+    loss = fn(*leaves)
+    loss.backward()
+    ref = [u.detach().double().requires_grad_() for u in (x, w)]
+    want = F.cross_entropy(F.linear(*ref), t)
+    want.backward()
+    assert_close(loss, want, 1e-5 if DTYPE == torch.float32 else 1e-3, "compiled loss")
+    for got, exp, name in zip(leaves, ref, ("dx", "dW")):
+        assert_close(got.grad, exp.grad, BOUND, f"compiled {name}")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_module_shares_the_head(device, tied):
+    x, w, t = _inputs(device)
+    head = torch.nn.Embedding(V, K, device=device, dtype=DTYPE) if tied else \
+        torch.nn.Linear(K, V, device=device, dtype=DTYPE)
+    with torch.no_grad():
+        head.weight.copy_(w)
+    module = tilefuse.nn.LinearCrossEntropy(head, label_smoothing=0.1)
+    assert module.head is head and module.head.weight is head.weight
+    loss = module(x, t)
+    loss.backward()
+    bias = None if tied else head.bias.detach().double()
+    want = F.cross_entropy(F.linear(x.double(), w.double(), bias), t, label_smoothing=0.1)
+    assert_close(loss, want, 1e-5 if DTYPE == torch.float32 else 1e-3, "module loss")
+    assert head.weight.grad is not None and head.weight.grad.dtype == DTYPE
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(target=torch.zeros(30, dtype=torch.float32)), TypeError, "int64 or int32"),
+    (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(reduction="avg"), ValueError, "reduction"),
+])
+def test_bad_input(device, kwargs, exc, match):
+    x, w, t = _inputs(device)
+    target = kwargs.pop("target", t)
+    if isinstance(target, torch.Tensor):
+        target = target.to(device)[: x.shape[0]] if target.dim() else target
+    with pytest.raises(exc, match=match):
+        tilefuse.linear_cross_entropy(x, w, target, **kwargs)
