@@ -1,0 +1,235 @@
+"""tilefuse.patch: replace the parts of a model that tilefuse fuses, each one proven on a probe before it is kept.
+
+The patcher recognises patterns, not model classes: a norm module (torch's LayerNorm / RMSNorm, or any
+class named ``*RMSNorm`` with a 1-D ``weight`` and an ``eps`` / ``variance_epsilon``), a gated MLP
+(``gate_proj`` / ``up_proj`` / ``down_proj`` Linears and an ``act_fn`` that computes SiLU or GELU), and a
+Linear followed by an activation inside an ``nn.Sequential``. Each candidate is built on the original
+parameters (shared, never copied: state dicts are unchanged) and, with ``verify=True``, run beside the
+original on a small random input; it is kept only if it matches within its dtype's bound, otherwise the
+report says why it was skipped (Gemma's ``1 + weight`` norm, for example, fails its check). Plain Linears
+are left alone: with no epilogue to fuse, cuBLAS is the faster GEMM. LoRA-wrapped layers are left alone
+and reported. Attention, the QKV projection and the LM-head loss are not patched yet (see the report's
+``skipped``). ``unpatch`` restores the original module objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tilefuse import nn as tnn
+from tilefuse.opspec import REL_L2_BOUND
+
+_ORIGINALS = "_tilefuse_originals"  # attribute on the patched root: path -> the module it replaced
+
+
+@dataclass
+class PatchReport:
+    """What ``patch`` did: ``replaced`` (path, old class, new class, the check it passed) and ``skipped``
+    (path, reason)."""
+
+    replaced: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"tilefuse.patch: {len(self.replaced)} replaced, {len(self.skipped)} skipped"]
+        lines += [f"  replaced {path}: {old} -> {new} ({check})" for path, old, new, check in self.replaced]
+        lines += [f"  skipped  {path}: {reason}" for path, reason in self.skipped]
+        return "\n".join(lines)
+
+
+class RMSNormModule(torch.nn.Module):
+    """A tilefuse RMSNorm over a foreign RMSNorm's weight (shared), for classes that are not torch's."""
+
+    def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tilefuse.ops.norms import rms_norm
+        return rms_norm(x, (self.weight.shape[0],), self.weight, self.eps)
+
+
+def _param(module):
+    return next(iter(module.parameters()), None)
+
+
+def _probe(features: int, like: torch.nn.Module) -> torch.Tensor:
+    p = _param(like)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, features, generator=g)
+    return x.to(device=p.device, dtype=p.dtype) if p is not None else x
+
+
+def _rel_l2(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _verify(original, candidate, features):
+    """(ok, check text): the candidate against the original on a probe, within the dtype's rel-L2 bound."""
+    x = _probe(features, original)
+    bound = REL_L2_BOUND.get(x.dtype, 1e-2)
+    try:
+        with torch.no_grad():
+            want, got = original(x), candidate(x)
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep the original, and say why
+        return False, f"the candidate raised {type(exc).__name__}: {exc}"
+    if got.shape != want.shape:
+        return False, f"output shape {tuple(got.shape)} != the original's {tuple(want.shape)}"
+    err = _rel_l2(got, want)
+    if not err <= bound:
+        return False, f"rel-L2 {err:.2e} against the original above the bound {bound:.0e}"
+    return True, f"rel-L2 {err:.1e} <= {bound:.0e} on a probe"
+
+
+def _activation_name(act) -> str | None:
+    """The tilefuse activation an activation module computes, by type or, for foreign classes, by probe."""
+    if isinstance(act, torch.nn.GELU):
+        return "gelu" if act.approximate == "none" else "gelu_tanh"
+    for cls, name in ((torch.nn.ReLU, "relu"), (torch.nn.SiLU, "silu")):
+        if isinstance(act, cls):
+            return name
+    if not isinstance(act, torch.nn.Module) or list(act.parameters()):
+        return None
+    t = torch.linspace(-6, 6, 97, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            out = act(t)
+    except Exception:  # noqa: BLE001
+        return None
+    for name, fn in (("silu", F.silu), ("gelu", F.gelu), ("gelu_tanh", lambda u: F.gelu(u, approximate="tanh")),
+                     ("relu", F.relu)):
+        if torch.allclose(out, fn(t), atol=1e-6):
+            return name
+    return None
+
+
+def _is_lora(module) -> bool:
+    return any(hasattr(module, a) for a in ("lora_A", "lora_B", "base_layer"))
+
+
+def _norm_candidate(module):
+    if isinstance(module, (tnn.LayerNorm, tnn.RMSNorm)):
+        return None, "already tilefuse"
+    if type(module) is torch.nn.LayerNorm:
+        new = tnn.LayerNorm(module.normalized_shape, module.eps, module.elementwise_affine,
+                            bias=module.bias is not None, device="meta")
+        new.weight, new.bias = module.weight, module.bias
+        return new, None
+    if type(module) is torch.nn.RMSNorm:
+        new = tnn.RMSNorm(module.normalized_shape, module.eps, module.elementwise_affine, device="meta")
+        new.weight = module.weight
+        return new, None
+    if type(module).__name__.endswith("RMSNorm"):
+        weight = getattr(module, "weight", None)
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        if isinstance(weight, torch.nn.Parameter) and weight.dim() == 1 and isinstance(eps, (int, float)):
+            return RMSNormModule(weight, float(eps)), None
+        return None, "an RMSNorm-like class without a 1-D weight and an eps"
+    return None, None
+
+
+def _mlp_candidate(module):
+    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(p, torch.nn.Linear) for p in parts):
+        return None, None
+    if isinstance(module, tnn.GatedMLP):
+        return None, "already tilefuse"
+    if any(_is_lora(p) for p in parts):
+        return None, "LoRA-wrapped projections are left alone"
+    act = _activation_name(getattr(module, "act_fn", None))
+    if act not in ("silu", "gelu", "gelu_tanh"):
+        return None, "the gate's activation is not SiLU or GELU"
+    try:
+        return tnn.GatedMLP.from_modules(*parts, activation=act), None
+    except (TypeError, ValueError) as exc:
+        return None, str(exc)
+
+
+def _features(module) -> int:
+    if isinstance(module, torch.nn.LayerNorm) or isinstance(module, torch.nn.RMSNorm):
+        return int(module.normalized_shape[-1])
+    if isinstance(getattr(module, "gate_proj", None), torch.nn.Linear):
+        return module.gate_proj.in_features
+    return int(module.weight.shape[-1])
+
+
+def patch(model: torch.nn.Module, *, norm: bool = True, mlp: bool = True, linear: bool = True,
+          verify: bool = True) -> PatchReport:
+    """Replace, in place, the parts of ``model`` tilefuse fuses (see the module doc); returns the report.
+    Patching a patched model changes nothing and says so; :func:`unpatch` undoes it."""
+    report = PatchReport()
+    originals = getattr(model, _ORIGINALS, None)
+    if originals:
+        report.skipped.append(("", f"already patched ({len(originals)} modules); unpatch first to patch again"))
+        return report
+    if originals is None:
+        originals = {}
+        object.__setattr__(model, _ORIGINALS, originals)
+    swaps = []  # (parent, attribute, path, original, candidate, check)
+    for path, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            child_path = f"{path}.{name}" if path else name
+            candidate, reason = None, None
+            if norm:
+                candidate, reason = _norm_candidate(child)
+            if candidate is None and reason is None and mlp:
+                candidate, reason = _mlp_candidate(child)
+            if candidate is None:
+                if reason:
+                    report.skipped.append((child_path, reason))
+                continue
+            ok, check = _verify(child, candidate, _features(child)) if verify else (True, "not verified")
+            if ok:
+                swaps.append((module, name, child_path, child, candidate, check))
+            else:
+                report.skipped.append((child_path, check))
+        if linear and isinstance(module, torch.nn.Sequential):
+            _fuse_sequential(module, path, swaps, report, verify)
+    for parent, name, child_path, child, candidate, check in swaps:
+        candidate.train(child.training)
+        setattr(parent, name, candidate)
+        originals[child_path] = child
+        report.replaced.append((child_path, type(child).__name__, type(candidate).__name__, check))
+    return report
+
+
+def _fuse_sequential(seq, path, swaps, report, verify):
+    """Linear then an activation inside a Sequential: a tilefuse Linear with the activation fused, and the
+    activation slot replaced by Identity."""
+    names = list(seq._modules)
+    for first, second in zip(names, names[1:]):
+        lin, act = seq._modules[first], seq._modules[second]
+        prefix = f"{path}." if path else ""
+        if isinstance(lin, torch.nn.Linear) and _is_lora(lin):
+            report.skipped.append((prefix + first, "LoRA-wrapped Linear left alone"))
+            continue
+        if type(lin) is not torch.nn.Linear:
+            continue
+        activation = _activation_name(act)
+        if activation is None:
+            continue
+        fused = tnn.Linear.from_linear(lin, activation)
+        pair = torch.nn.Sequential(lin, act)
+        ok, check = _verify(pair, fused, lin.in_features) if verify else (True, "not verified")
+        if not ok:
+            report.skipped.append((prefix + first, check))
+            continue
+        swaps.append((seq, first, prefix + first, lin, fused, check + f", {type(act).__name__} fused"))
+        swaps.append((seq, second, prefix + second, act, torch.nn.Identity(), "fused into " + prefix + first))
+
+
+def unpatch(model: torch.nn.Module) -> PatchReport:
+    """Put back every module :func:`patch` replaced (the very objects); a no-op on an unpatched model."""
+    report = PatchReport()
+    originals = getattr(model, _ORIGINALS, None) or {}
+    for path, original in list(originals.items()):
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        current = getattr(parent, name)
+        setattr(parent, name, original)
+        report.replaced.append((path, type(current).__name__, type(original).__name__, "restored"))
+        del originals[path]
+    return report
