@@ -127,13 +127,7 @@ def attention_bwd_dkdv_kernel(
     total_q = N_Q
     row0_q = 0
     row0_k = 0
-    if VARLEN:  # b is the sequence: its rows come from the offsets, not from a batch stride
-        stride_qb = 0
-        stride_kb = 0
-        stride_vb = 0
-        stride_dob = 0
-        stride_dkb = 0
-        stride_dvb = 0
+    if VARLEN:  # b is the sequence (batch strides are 0): its rows come from the offsets
         row0_q, N_Q, row0_k, N_K = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
         pos_offset = N_K - N_Q
         row0_q = row0_q.to(tl.int64)
@@ -241,12 +235,7 @@ def attention_bwd_dq_kernel(
     rows0 = pid_bh.to(tl.int64) * N_Q  # this head's first lse / delta row
     row0_q = 0
     row0_k = 0
-    if VARLEN:  # b is the sequence: its rows come from the offsets, not from a batch stride
-        stride_qb = 0
-        stride_kb = 0
-        stride_vb = 0
-        stride_dob = 0
-        stride_dqb = 0
+    if VARLEN:  # b is the sequence (batch strides are 0): its rows come from the offsets
         total_q = N_Q
         row0_q, N_Q, row0_k, N_K = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
         pos_offset = N_K - N_Q

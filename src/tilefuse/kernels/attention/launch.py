@@ -171,6 +171,12 @@ def _launch_ws(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_r
     return dict(BLOCK_M=ws.BLOCK_M.value, **cfg, WARP_SPECIALIZE=True)
 
 
+def _strides(t: torch.Tensor, varlen) -> tuple:
+    """t's strides for the kernels; packed sequences (``varlen``) get a batch stride of 0, since the
+    kernels' batch index is then the sequence, whose rows come from the offsets."""
+    return (0, *t.stride()[1:]) if varlen is not None else t.stride()
+
+
 def modifier_args(scale: float, softcap) -> tuple:
     """(qk_scale, softcap_log2) for the kernels: the score multiplier before the modifiers and the cap in the
     log2 domain. With a softcap the scores go to tanh divided by the cap, and the cap times log2(e) comes
@@ -228,7 +234,7 @@ def _launch(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_r
     mask_strides = mask.stride() if has_mask else (0, 0, 0, 0)
     qk_scale, softcap_log2 = modifier_args(scale, softcap)
     args = (q, k, v, out, lse if lse is not None else out, mask if has_mask else out,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
+            *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen), *mask_strides,
             B, Hq, Nq, Nk, d, Hq // Hkv, Hkv,
             qk_scale, pos_offset, max(window_left, 0), max(window_right, 0),
             sizes.m_bucket(grid_rows), sizes.m_bucket(varlen[3] if varlen is not None else Nk), softcap_log2,
@@ -374,11 +380,12 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
         seqs, rows_q, rows_k = varlen[0].shape[0] - 1, varlen[2], varlen[3]
     fastpath.launch(attention_bwd_dkdv_kernel, (cdiv(rows_k, cfg["BLOCK_N"]), seqs * Hkv), (
         q, k, v, dout, lse, delta, mask_arg, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *dk.stride(), *dv.stride(),
+        *[s for t in (q, k, v, dout) for s in _strides(t, varlen)], *mask_strides,
+        *_strides(dk, varlen), *_strides(dv, varlen),
         Hq, Hkv, Nq, Nk, d, Hq // Hkv, *positions), flags)
     fastpath.launch(attention_bwd_dq_kernel, (cdiv(rows_q, cfg["BLOCK_M"]), seqs * Hq), (
         q, k, v, dout, lse, delta, mask_arg, dq,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *dq.stride(),
+        *[s for t in (q, k, v, dout) for s in _strides(t, varlen)], *mask_strides, *_strides(dq, varlen),
         Hq, Nq, Nk, d, Hq // Hkv, *positions), flags)
     launches.record("attention_backward", path, "portable: rowdot, dk/dv, dq (no atomics)",
                     lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']}")

@@ -146,12 +146,7 @@ def attention_fwd_kernel(
     lse_row0 = pid_bh.to(tl.int64) * N_Q
     row0_q = 0
     row0_k = 0
-    if VARLEN:
-        # b is the sequence: its rows are found from the offsets, not from a batch stride.
-        stride_qb = 0
-        stride_kb = 0
-        stride_vb = 0
-        stride_ob = 0
+    if VARLEN:  # b is the sequence (the launch layer passes batch strides of 0): rows come from the offsets
         total_q = N_Q
         row0_q, N_Q, row0_k, N_K = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
         pos_offset = N_K - N_Q
