@@ -338,3 +338,14 @@ def test_attention_varlen_and_modifiers_compile_for_sm90(kernel):
     facts = compile_sm90(module, kernel, {k: v for k, v in sig.items() if k == "*" or k in params},
                          {k: v for k, v in consts.items() if k in params}, 8, 2)
     assert facts["wgmma"], facts
+
+
+@pytest.mark.parametrize("rope,norm", [(False, False), (True, True)])
+def test_qkv_projection_compiles_to_wgmma(rope, norm):
+    """The head-layout QKV kernel at d = 128 (rotary halves of 64) compiles for sm_90a and feeds wgmma."""
+    consts = dict(HAS_BIAS=True, HAS_ROPE=rope, INTERLEAVED=False, HAS_NORM=norm, UPCAST_DOT=False, BLOCK_M=64,
+                  BLOCK_R=64, BLOCK_P=16 if rope else 128, BLOCK_K=64)
+    sig = {"*": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"}
+    facts = compile_sm90("tilefuse.kernels.gemm.qkv", "qkv_projection_kernel", sig, consts, 4, 3,
+                         aligned=("x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn"))
+    assert facts["wgmma"], facts

@@ -4,6 +4,7 @@ Each function is what a user would write without tilefuse (the "eager unfused" a
 float64 copies of the inputs it is the accuracy reference. One module per op family.
 """
 from tilefuse.reference.linear import (activation, activation_slope, gate, gated_linear,  # noqa: F401
-                                       gated_linear_backward, gated_slopes, linear, linear_backward)
+                                       gated_linear_backward, gated_slopes, linear, linear_backward,
+                                       qkv_projection)
 # The other families are imported as modules (tilefuse.reference.attention, .norms, .softmax): a
 # function re-exported here under its module's name would shadow the module (reference.attention).

@@ -100,3 +100,33 @@ def gated_linear_backward(dy, x, w_gate, w_up, s_gate, s_up):
     dx_gate, dw_gate, db_gate = _gemm_grads(g_gate, x, w_gate)
     dx_up, dw_up, db_up = _gemm_grads(g_up, x, w_up)
     return (dx_gate.to(g_gate.dtype) + dx_up.to(g_up.dtype)).to(x.dtype), dw_gate, dw_up, db_gate, db_up
+
+
+def rotate_half(t: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    return torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+
+
+def rotate_pairs(t: torch.Tensor) -> torch.Tensor:
+    """GPT-J's rotation: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    return torch.stack([-t[..., 1::2], t[..., ::2]], dim=-1).flatten(-2)
+
+
+def qkv_projection(x, weights, biases, num_heads, num_kv_heads, rotary=None, interleaved=False, qk_norm=None):
+    """Eager: three F.linear, view as heads, transpose to [B, H, N, d], per-head RMSNorm, then RoPE on the
+    first r dims (HF Llama's ``apply_rotary_pos_emb``; GPT-J's pairs when ``interleaved``)."""
+    B, N, _ = x.shape
+    outs = []
+    for i, (w, b, h) in enumerate(zip(weights, biases, (num_heads, num_kv_heads, num_kv_heads))):
+        t = F.linear(x, w, b).view(B, N, h, -1).transpose(1, 2)
+        if i < 2 and qk_norm is not None:
+            t = F.rms_norm(t, (t.shape[-1],), qk_norm[i], qk_norm[2])
+        if i < 2 and rotary is not None:
+            cos, sin = rotary
+            cos, sin = (c[:, None] if c.dim() == 3 else c[None, None] for c in (cos, sin))
+            r = cos.shape[-1]
+            rot, rest = t[..., :r], t[..., r:]
+            turn = rotate_pairs(rot) if interleaved else rotate_half(rot)
+            t = torch.cat([rot * cos.to(t.dtype) + turn * sin.to(t.dtype), rest], dim=-1)
+        outs.append(t)
+    return tuple(outs)

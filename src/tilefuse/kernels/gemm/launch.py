@@ -528,3 +528,35 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
                     lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
     return (dx.to(x2d.dtype) if need_dx else dx, dw.to(w.dtype) if need_dw else dw,
             db.to(b.dtype) if need_db and b is not None else db)
+
+
+# ---- QKV projection into head layout ---------------------------------------------------------------
+def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, outs, path):
+    """q, k, v (``outs``, each with its [B, H, N, d] or [B, N, H, d] strides) of x2d [M = B * N, K] (unit column
+    stride) by qkv.py: one launch per projection, RoPE (``rotary`` (cos, sin) [N, r] or [B, N, r], or None)
+    and QK-norm (``qk_norm`` (q weight, k weight, eps) or None) on q and k."""
+    from tilefuse.kernels.gemm.qkv import qkv_projection_kernel
+
+    M, K = x2d.shape
+    interpret = path == runtime.INTERPRETER
+    tile = dict(BLOCK_M=64, BLOCK_K=32 if interpret else 64)
+    for i, (w, b, h, out) in enumerate(zip(weights, biases, heads, outs)):
+        qk = i < 2
+        use_rope = qk and rotary is not None
+        rot = rotary[0].shape[-1] if use_rope else 0  # v is never rotated: all its columns pass through
+        block_r = max(16, sizes.next_pow2(max(rot // 2, 1)))
+        block_p = max(16, sizes.next_pow2(max(head_dim - rot, 1)))
+        use_norm = qk and qk_norm is not None
+        cos, sin = rotary if use_rope else (x2d, x2d)
+        stride_cb, stride_cn = ((cos.stride(0), cos.stride(1)) if cos.dim() == 3 else (0, cos.stride(0))) \
+            if use_rope else (0, 0)
+        norm_w = qk_norm[i] if use_norm else x2d
+        fastpath.launch(qkv_projection_kernel, (cdiv(M, tile["BLOCK_M"]), h), (
+            x2d, w, b if b is not None else w, out, cos, sin, norm_w, M, seq_len, K, head_dim, rot,
+            x2d.stride(0), w.stride(0), out.stride(0), out.stride(1), out.stride(2), stride_cb, stride_cn,
+            float(qk_norm[2]) if use_norm else 0.0),
+            dict(HAS_BIAS=b is not None, HAS_ROPE=use_rope, INTERLEAVED=bool(interleaved), HAS_NORM=use_norm,
+                 UPCAST_DOT=interpret and x2d.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_P=block_p, **tile))
+    launches.record("qkv_projection", path, "head layout, RoPE and QK-norm in the epilogue",
+                    lambda: f"{tile['BLOCK_M']} rows, K by {tile['BLOCK_K']}")
+    return outs

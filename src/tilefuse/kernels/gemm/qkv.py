@@ -1,0 +1,106 @@
+"""Q, K, V projections written straight into head layout, with the rotary embedding and the per-head RMSNorm
+(QK-norm) in the GEMM's epilogue.
+
+One program per (BLOCK_M token rows, head) of one projection: the head's d output columns are made as three
+accumulators -- the two rotary halves (rotate-half: columns [0, r/2) and [r/2, r); GPT-J: the even and odd
+columns of the first r) and the pass-through rest [r, d) -- so the rotation pairs meet in registers. Then:
+bias, QK-norm over the head's d columns (rstd from the three accumulators), RoPE with cos/sin of each row's
+position, and a store into q/k/v laid out [B, H, N, d] (or [B, N, H, d]) at the row's (b, n).
+HBM bytes (element size s): fused (M*K + (H + 2*Hkv)*d*K + M*(H + 2*Hkv)*d)*s + the cos/sin reads; eager
+writes the [M, (H + 2*Hkv)*d] product, reads it to split and transpose (a copy each), and RoPE and QK-norm
+read and write q and k again: >= 4 more passes over q and k.
+Any M, K, d <= 256 (each part padded to a power of two >= 16 and masked), even r <= d.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _head_part(x_ptr, w_ptr, offs_m64, mask_m, rows, mask_c, K, stride_xm, stride_wn,
+               UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows m] @ W[rows]^T for the weight rows ``rows`` ([BLOCK_C], masked by ``mask_c``): fp32."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = (k0 + offs_k) < K
+        x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptr + rows.to(tl.int64)[None, :] * stride_wn + (k0 + offs_k)[:, None],
+                    mask=mask_k[:, None] & mask_c[None, :], other=0.0)
+        if UPCAST_DOT:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit
+def qkv_projection_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr,
+    M, N_SEQ, K, HEAD_DIM, ROT,            # rows M = B * N_SEQ; ROT: rotary dims (even, <= HEAD_DIM; 0: none)
+    stride_xm, stride_wn,
+    stride_ob, stride_oh, stride_on,       # the output [B, H, N, d] (or [B, N, H, d]) strides; unit d stride
+    stride_cb, stride_cn,                  # cos/sin [B, N, r] (stride_cb 0 for [N, r]), unit last stride
+    eps,
+    HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_m64 = offs_m.to(tl.int64)
+    b = offs_m64 // N_SEQ
+    n = offs_m64 % N_SEQ
+    half = ROT // 2
+    # Head columns of the three parts: rotary A / B (pairs) and the pass-through rest.
+    i = tl.arange(0, BLOCK_R)
+    mask_r = i < half
+    if INTERLEAVED:
+        col_a = 2 * i
+        col_b = 2 * i + 1
+    else:
+        col_a = i
+        col_b = i + half
+    col_p = ROT + tl.arange(0, BLOCK_P)
+    mask_p = col_p < HEAD_DIM
+    row0 = head * HEAD_DIM
+    acc_a = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_a, mask_r, K, stride_xm, stride_wn,
+                       UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
+    acc_b = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_b, mask_r, K, stride_xm, stride_wn,
+                       UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
+    acc_p = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_p, mask_p, K, stride_xm, stride_wn,
+                       UPCAST_DOT, BLOCK_M, BLOCK_P, BLOCK_K)
+    if HAS_BIAS:
+        acc_a += tl.load(b_ptr + row0 + col_a, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+        acc_b += tl.load(b_ptr + row0 + col_b, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+        acc_p += tl.load(b_ptr + row0 + col_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+    out_dtype = out_ptr.dtype.element_ty
+    if HAS_NORM:  # per-head RMSNorm over d, in fp32, on the product rounded as eager's would be
+        acc_a = acc_a.to(out_dtype).to(tl.float32)
+        acc_b = acc_b.to(out_dtype).to(tl.float32)
+        acc_p = acc_p.to(out_dtype).to(tl.float32)
+        sq = tl.sum(acc_a * acc_a, 1) + tl.sum(acc_b * acc_b, 1) + tl.sum(acc_p * acc_p, 1)
+        rstd = 1.0 / tl.sqrt(sq / HEAD_DIM + eps)
+        acc_a = acc_a * rstd[:, None] * tl.load(norm_w_ptr + col_a, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+        acc_b = acc_b * rstd[:, None] * tl.load(norm_w_ptr + col_b, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+        acc_p = acc_p * rstd[:, None] * tl.load(norm_w_ptr + col_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+    if HAS_ROPE:  # HF Llama's rotate-half (or GPT-J's pairs): a' = a cos - b sin, b' = b cos + a sin
+        acc_a = acc_a.to(out_dtype).to(tl.float32)
+        acc_b = acc_b.to(out_dtype).to(tl.float32)
+        c_rows = b * stride_cb + n * stride_cn
+        m_rot = mask_m[:, None] & mask_r[None, :]
+        cos_a = tl.load(cos_ptr + c_rows[:, None] + col_a[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_ptr + c_rows[:, None] + col_a[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_ptr + c_rows[:, None] + col_b[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        sin_b = tl.load(sin_ptr + c_rows[:, None] + col_b[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        rot_a = acc_a * cos_a - acc_b * sin_a
+        acc_b = acc_b * cos_b + acc_a * sin_b
+        acc_a = rot_a
+    base = out_ptr + b * stride_ob + head.to(tl.int64) * stride_oh + n * stride_on
+    tl.store(base[:, None] + col_a[None, :], acc_a.to(out_dtype), mask=mask_m[:, None] & mask_r[None, :])
+    tl.store(base[:, None] + col_b[None, :], acc_b.to(out_dtype), mask=mask_m[:, None] & mask_r[None, :])
+    tl.store(base[:, None] + col_p[None, :], acc_p.to(out_dtype), mask=mask_m[:, None] & mask_p[None, :])

@@ -1,0 +1,160 @@
+"""tilefuse.qkv_projection: q, k, v from x in one pass per projection, written in head layout with RoPE and
+QK-norm applied in the GEMM's epilogue (forward).
+
+Registered as ``tilefuse::qkv_projection``. GPT-2's ``Conv1D`` ``c_attn`` keeps its weight as [K, 3K]
+(transposed): pass ``c_attn.weight.t()`` (a view; the kernels read W rows with a unit column stride, so
+that view is copied once per call -- 3K*K elements -- or keep a transposed copy of the parameter).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tilefuse import reference, runtime
+from tilefuse.ops import _dispatch
+from tilefuse.ops._checks import check_no_grad_needed, check_same_device, check_same_dtype, check_tensor
+
+LAYOUTS = ("bhnd", "bnhd")
+
+
+def _outputs(x, heads, d, layout):
+    """q, k, v allocated in ``layout``, each returned with its [B, H, N, d] view (for the kernels)."""
+    B, N = x.shape[0], x.shape[1]
+    outs = []
+    for h in heads:
+        if layout == "bhnd":
+            outs.append(torch.empty((B, h, N, d), dtype=x.dtype, device=x.device))
+        else:
+            outs.append(torch.empty((B, N, h, d), dtype=x.dtype, device=x.device).transpose(1, 2))
+    return outs
+
+
+def _impl(x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, interleaved, q_norm, k_norm, eps, layout):
+    d = wq.shape[0] // num_heads
+    heads = (num_heads, num_kv_heads, num_kv_heads)
+    outs = _outputs(x, heads, d, layout)
+    rotary = None if cos is None else (cos, sin)
+    qk_norm = None if q_norm is None else (q_norm, k_norm, eps)
+    path = runtime.execution_path(x)
+    if path == runtime.REFERENCE or x.numel() == 0:
+        _dispatch.record_reference("qkv_projection", path)
+        ref = reference.qkv_projection(x, (wq, wk, wv), (bq, bk, bv), num_heads, num_kv_heads, rotary, interleaved,
+                                       qk_norm)
+        for out, r in zip(outs, ref):
+            out.copy_(r)
+    else:
+        runtime.check_triton()
+        from tilefuse.kernels.gemm import launch
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.shape[1] > 1 and x2d.stride(1) != 1:
+            x2d = x2d.contiguous()
+        with _dispatch.on_device(x):
+            launch.qkv_projection(x2d, x.shape[1], (wq, wk, wv), (bq, bk, bv), heads, d, rotary, interleaved, qk_norm,
+                                  outs, path)
+    return tuple(o if layout == "bhnd" else o.transpose(1, 2) for o in outs)
+
+
+@torch.library.custom_op("tilefuse::qkv_projection", mutates_args=())
+def _qkv_op(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq: Optional[torch.Tensor],
+            bk: Optional[torch.Tensor], bv: Optional[torch.Tensor], num_heads: int, num_kv_heads: int,
+            cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], interleaved: bool, q_norm: Optional[torch.Tensor],
+            k_norm: Optional[torch.Tensor], eps: float, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _impl(x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, interleaved, q_norm, k_norm, eps,
+                 layout)
+
+
+@_qkv_op.register_fake
+def _(x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, interleaved, q_norm, k_norm, eps, layout):
+    outs = _outputs(x, (num_heads, num_kv_heads, num_kv_heads), wq.shape[0] // num_heads, layout)
+    return tuple(o if layout == "bhnd" else o.transpose(1, 2) for o in outs)
+
+
+def _three(name, value, sizes):
+    """A triple (or None) from a triple or one tensor cat'ed along dim 0 in q, k, v order."""
+    if value is None:
+        return None, None, None
+    if isinstance(value, (tuple, list)):
+        if len(value) != 3:
+            raise ValueError(f"{name} as a sequence must be (q, k, v), got {len(value)} items")
+        return tuple(value)
+    check_tensor(name, value)
+    if value.shape[0] != sum(sizes):
+        raise ValueError(f"{name} as one tensor must have {sum(sizes)} rows (q, k, v stacked), got {value.shape[0]}")
+    return tuple(value.split(list(sizes)))
+
+
+def qkv_projection(x: torch.Tensor, weight, bias=None, *, num_heads: int, num_kv_heads: int | None = None,
+                   rotary: tuple[torch.Tensor, torch.Tensor] | None = None, rotary_interleaved: bool = False,
+                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, layout: str = "bhnd"):
+    """``(q, k, v)`` of x ``[B, N, K]``: the three projections (``weight`` the triple (W_q, W_k, W_v) in
+    nn.Linear layout, read in place, or one tensor cat([W_q, W_k, W_v]); ``bias`` likewise or None), q
+    ``[B, H, N, d]``, k and v ``[B, Hkv, N, d]`` (``layout="bnhd"``: ``[B, N, H, d]``), contiguous, each
+    written by its GEMM's epilogue: no split, transpose or copy kernels. ``rotary=(cos, sin)``, each ``[N, r]``
+    or ``[B, N, r]`` with even r <= d, applies RoPE to q and k in HF Llama's rotate-half convention
+    (``rotary_interleaved=True``: GPT-J's pairs), r < d rotating the first r dims only. ``qk_norm=(q_weight,
+    k_weight, eps)`` applies a per-head RMSNorm over d to q and k before RoPE (Qwen3). Forward only."""
+    check_tensor("x", x)
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, N, K], got shape {tuple(x.shape)}")
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads must divide num_heads ({num_heads}), got {num_kv_heads!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    K = x.shape[-1]
+    if isinstance(weight, (tuple, list)):
+        wq, wk, wv = _three("weight", weight, ())
+        for name, w in (("weight[0] (W_q)", wq), ("weight[1] (W_k)", wk), ("weight[2] (W_v)", wv)):
+            check_tensor(name, w)
+        d = wq.shape[0] // num_heads
+    else:
+        check_tensor("weight", weight)
+        d = weight.shape[0] // (num_heads + 2 * num_kv_heads)
+        wq, wk, wv = _three("weight", weight, (num_heads * d, num_kv_heads * d, num_kv_heads * d))
+    if not 1 <= d <= 256:
+        raise ValueError(f"head dim d = {d} from the weights must be in [1, 256]")
+    for name, w, rows in (("W_q", wq, num_heads * d), ("W_k", wk, num_kv_heads * d), ("W_v", wv, num_kv_heads * d)):
+        if w.dim() != 2 or tuple(w.shape) != (rows, K):
+            raise ValueError(f"{name} must be [{rows}, {K}] (heads * d, K), got {tuple(w.shape)}")
+        check_same_dtype(name, w, "x", x)
+        check_same_device(name, w, "x", x)
+    bq, bk, bv = _three("bias", bias, (num_heads * d, num_kv_heads * d, num_kv_heads * d))
+    for name, b, rows in (("b_q", bq, num_heads * d), ("b_k", bk, num_kv_heads * d), ("b_v", bv, num_kv_heads * d)):
+        if b is not None and tuple(b.shape) != (rows,):
+            raise ValueError(f"{name} must be [{rows}], got {tuple(b.shape)}")
+    cos = sin = None
+    if rotary is not None:
+        if not isinstance(rotary, (tuple, list)) or len(rotary) != 2:
+            raise ValueError("rotary must be None or (cos, sin)")
+        cos, sin = rotary
+        for name, t in (("cos", cos), ("sin", sin)):
+            check_tensor(name, t)
+            if t.shape != cos.shape or t.dim() not in (2, 3) or t.shape[-2] != x.shape[1] or \
+                    (t.dim() == 3 and t.shape[0] != x.shape[0]):
+                raise ValueError(f"rotary {name} must be [N, r] or [B, N, r] with N = {x.shape[1]}, got "
+                                 f"{tuple(t.shape)}")
+        r = cos.shape[-1]
+        if r % 2 or r > d:
+            raise ValueError(f"rotary dims r = {r} must be even and <= d = {d}")
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_norm = k_norm = None
+    eps = 0.0
+    if qk_norm is not None:
+        if not isinstance(qk_norm, (tuple, list)) or len(qk_norm) != 3:
+            raise ValueError("qk_norm must be None or (q_weight, k_weight, eps)")
+        q_norm, k_norm, eps = qk_norm
+        for name, t in (("qk_norm q_weight", q_norm), ("qk_norm k_weight", k_norm)):
+            check_tensor(name, t)
+            if tuple(t.shape) != (d,):
+                raise ValueError(f"{name} must be [{d}] (the head dim), got {tuple(t.shape)}")
+        eps = float(eps)
+    wq, wk, wv = (w if K <= 1 or w.stride(1) == 1 else w.contiguous() for w in (wq, wk, wv))
+    check_no_grad_needed("qkv_projection", x, wq, wk, wv, bq, bk, bv, q_norm, k_norm)
+    args = (x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, bool(rotary_interleaved), q_norm, k_norm,
+            eps, layout)
+    if _dispatch.direct(x, wq, wk, wv, bq, bk, bv, cos, sin, q_norm, k_norm):
+        return _impl(*args)
+    return _qkv_op(*args)

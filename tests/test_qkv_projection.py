@@ -1,0 +1,74 @@
+"""tilefuse.qkv_projection against the eager head-layout path (projections, split, transpose, QK-norm, RoPE)
+in float64: weight forms, GQA, partial and interleaved rotary, layouts, bad input."""
+import pytest
+import torch
+
+import tilefuse
+from helpers import ON_GPU, assert_close
+from tilefuse import reference
+from tilefuse.opspec import REL_L2_BOUND
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+BOUND = REL_L2_BOUND[DTYPE]
+B, N, K = (2, 257, 1000) if ON_GPU else (2, 9, 40)
+
+
+def _rand(*shape, seed, scale=1.0, device):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(device, DTYPE)
+
+
+def _rotary(r, device, batched=False):
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+    pos = torch.arange(N, dtype=torch.float64)[:, None] + (torch.arange(B)[:, None, None] * 3 if batched else 0)
+    freqs = pos * inv
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos().float().to(device), emb.sin().float().to(device)
+
+
+@pytest.mark.parametrize("H,Hkv,d,r,interleaved,norm,form,layout,batched", [
+    (4, 4, 16, 0, False, False, "triple", "bhnd", False),
+    (4, 2, 16, 16, False, False, "cat", "bhnd", False),
+    (6, 2, 24, 16, True, True, "triple", "bnhd", True),
+    (2, 1, 80, 64, False, True, "cat", "bhnd", False),
+])
+def test_matches_the_eager_head_layout_path(device, H, Hkv, d, r, interleaved, norm, form, layout, batched):
+    x = _rand(B, N, K, seed=0, device=device)
+    ws = [_rand(h * d, K, seed=1 + i, scale=K ** -0.5, device=device) for i, h in enumerate((H, Hkv, Hkv))]
+    bs = [_rand(h * d, seed=5 + i, device=device) for i, h in enumerate((H, Hkv, Hkv))]
+    rotary = _rotary(r, device, batched) if r else None
+    if interleaved and rotary is not None:  # GPT-J repeats each frequency for its pair
+        rotary = tuple(t[..., : r // 2].repeat_interleave(2, -1) for t in rotary)
+    qk = (_rand(d, seed=8, device=device) * 0.5 + 1, _rand(d, seed=9, device=device) * 0.5 + 1, 1e-6) if norm else None
+    weight = tuple(ws) if form == "triple" else torch.cat(ws)
+    bias = tuple(bs) if form == "triple" else torch.cat(bs)
+    q, k, v = tilefuse.qkv_projection(x, weight, bias, num_heads=H, num_kv_heads=Hkv, rotary=rotary,
+                                      rotary_interleaved=interleaved, qk_norm=qk, layout=layout)
+    dbl = lambda t: None if t is None else t.double()  # noqa: E731
+    want = reference.qkv_projection(x.double(), [w.double() for w in ws], [b.double() for b in bs], H, Hkv,
+                                    None if rotary is None else tuple(map(dbl, rotary)), interleaved,
+                                    None if qk is None else (qk[0].double(), qk[1].double(), qk[2]))
+    for got, exp, name in zip((q, k, v), want, "qkv"):
+        if layout == "bnhd":
+            exp = exp.transpose(1, 2)
+        assert got.shape == exp.shape and got.is_contiguous(), (name, got.shape, exp.shape)
+        assert_close(got, exp, BOUND, name)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(num_heads=3), ValueError, "W_q must be"),
+    (dict(num_heads=4, num_kv_heads=3), ValueError, "num_kv_heads must divide"),
+    (dict(num_heads=4, layout="nbhd"), ValueError, "layout"),
+    (dict(num_heads=4, rotary="cos"), ValueError, "rotary"),
+])
+def test_bad_input(device, kwargs, exc, match):
+    x = _rand(B, N, K, seed=0, device=device)
+    ws = tuple(_rand(4 * 16, K, seed=i, device=device) for i in range(3))
+    with pytest.raises(exc, match=match):
+        tilefuse.qkv_projection(x, ws, **kwargs)
+
+
+def test_refuses_grad_clearly(device):
+    x = _rand(B, N, K, seed=0, device=device).requires_grad_()
+    ws = tuple(_rand(2 * 16, K, seed=i, device=device) for i in range(3))
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        tilefuse.qkv_projection(x, ws, num_heads=2)
