@@ -128,10 +128,7 @@ def attention_bwd_dkdv_kernel(
     row0_q = 0
     row0_k = 0
     if VARLEN:  # b is the sequence (batch strides are 0): its rows come from the offsets
-        row0_q, N_Q, row0_k, N_K = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
-        pos_offset = N_K - N_Q
-        row0_q = row0_q.to(tl.int64)
-        row0_k = row0_k.to(tl.int64)
+        row0_q, N_Q, row0_k, N_K, pos_offset = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -237,10 +234,7 @@ def attention_bwd_dq_kernel(
     row0_k = 0
     if VARLEN:  # b is the sequence (batch strides are 0): its rows come from the offsets
         total_q = N_Q
-        row0_q, N_Q, row0_k, N_K = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
-        pos_offset = N_K - N_Q
-        row0_q = row0_q.to(tl.int64)
-        row0_k = row0_k.to(tl.int64)
+        row0_q, N_Q, row0_k, N_K, pos_offset = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
         rows0 = h.to(tl.int64) * total_q + row0_q
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)

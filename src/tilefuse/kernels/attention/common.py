@@ -67,14 +67,15 @@ def score_modifiers(s, pos_m, offs_n, softcap_log2, alibi_log2, HAS_SOFTCAP: tl.
 
 @triton.jit
 def varlen_sequence(cu_q_ptr, cu_k_ptr, b, TOTAL_Q, TOTAL_K):
-    """(first query row, query count, first key row, key count) of packed sequence ``b`` from its offsets,
-    clamped to [0, total] and to non-decreasing, so offsets that were not validated still never address
-    a row outside q, k, v or the output. Shared by the varlen forward and backward."""
+    """(first query row (int64), query count, first key row (int64), key count, position offset) of packed
+    sequence ``b`` from its offsets, clamped to [0, total] and to non-decreasing, so offsets that were not
+    validated still never address a row outside q, k, v or the output; the sequence is aligned
+    bottom-right. Shared by the varlen forward and backward."""
     q0 = tl.minimum(tl.maximum(tl.load(cu_q_ptr + b).to(tl.int32), 0), TOTAL_Q)
     q1 = tl.minimum(tl.maximum(tl.load(cu_q_ptr + b + 1).to(tl.int32), q0), TOTAL_Q)
     k0 = tl.minimum(tl.maximum(tl.load(cu_k_ptr + b).to(tl.int32), 0), TOTAL_K)
     k1 = tl.minimum(tl.maximum(tl.load(cu_k_ptr + b + 1).to(tl.int32), k0), TOTAL_K)
-    return q0, q1 - q0, k0, k1 - k0
+    return q0.to(tl.int64), q1 - q0, k0.to(tl.int64), k1 - k0, (k1 - k0) - (q1 - q0)
 
 
 def descriptors_usable(*tensors) -> bool:

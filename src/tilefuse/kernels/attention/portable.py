@@ -148,10 +148,7 @@ def attention_fwd_kernel(
     row0_k = 0
     if VARLEN:  # b is the sequence (the launch layer passes batch strides of 0): rows come from the offsets
         total_q = N_Q
-        row0_q, N_Q, row0_k, N_K = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
-        pos_offset = N_K - N_Q
-        row0_q = row0_q.to(tl.int64)
-        row0_k = row0_k.to(tl.int64)
+        row0_q, N_Q, row0_k, N_K, pos_offset = varlen_sequence(cu_q_ptr, cu_k_ptr, b, N_Q, N_K)
         lse_row0 = h.to(tl.int64) * total_q + row0_q
 
     m0 = pid_m * BLOCK_M
