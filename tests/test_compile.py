@@ -52,6 +52,14 @@ def _qkv(n, device, gen, hq, hkv):
             _randn(gen, 1, hkv, n + 33, D, device=device))
 
 
+def _rope_tables(n, like, r=16):
+    """HF-style (cos, sin) [n, r] built from torch ops, so a compiled function makes them for any n."""
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2, device=like.device, dtype=torch.float32) / r))
+    freqs = torch.arange(n, device=like.device, dtype=torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos(), emb.sin()
+
+
 def _masked_qkv(n, device, gen):
     q, k, v = _qkv(n, device, gen, 2, 2)
     mask = torch.rand(1, 1, n, n + 33, generator=gen) > 0.3
@@ -79,6 +87,11 @@ CASES = {
     "layer_norm_linear_rms": (
         lambda n, d, g: (_x(n, d, g), _gamma(d, g), _w(d, g)),
         lambda x, nw, w: tilefuse.layer_norm_linear(x, nw, None, w, norm="rms"), ("norm", "linear")),
+    "qkv_rope_norm": (lambda n, d, g: (_x(n, d, g)[None], _w(d, g, rows=2 * 16), _w(d, g, rows=16), _w(d, g, rows=16),
+                                       _gamma(d, g)[:16], _gamma(d, g)[:16]),
+                      lambda x, wq, wk, wv, nq, nk: tilefuse.qkv_projection(
+                          x, (wq, wk, wv), num_heads=2, num_kv_heads=1, rotary=_rope_tables(x.shape[1], x),
+                          qk_norm=(nq, nk, 1e-6)), ("qkv",)),
     "softmax_last": (lambda n, d, g: (_x(n, d, g),), lambda x: tilefuse.softmax(x, dim=-1), ("softmax",)),
     "softmax_dim0": (lambda n, d, g: (_x(n, d, g),), lambda x: tilefuse.softmax(x, dim=0), ("softmax",)),
     "attention_causal_gqa": (lambda n, d, g: _qkv(n, d, g, 4, 2),
@@ -90,7 +103,7 @@ CASES = {
 FORWARD_CASES = [c for c in CASES if c != "rms_norm_residual"]
 GRAD_CASES = ["linear_gelu_bias", "swiglu_pair", "layer_norm", "layer_norm_residual", "rms_norm", "rms_norm_residual",
               "layer_norm_linear_layer", "layer_norm_linear_rms", "softmax_last", "softmax_dim0", "attention_causal_gqa",
-              "sdpa_bool_mask"]
+              "sdpa_bool_mask", "qkv_rope_norm"]
 
 
 def _sizes(case):

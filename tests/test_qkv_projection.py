@@ -67,8 +67,32 @@ def test_bad_input(device, kwargs, exc, match):
         tilefuse.qkv_projection(x, ws, **kwargs)
 
 
-def test_refuses_grad_clearly(device):
-    x = _rand(B, N, K, seed=0, device=device).requires_grad_()
-    ws = tuple(_rand(2 * 16, K, seed=i, device=device) for i in range(3))
-    with pytest.raises(NotImplementedError, match="no backward yet"):
-        tilefuse.qkv_projection(x, ws, num_heads=2)
+@pytest.mark.parametrize("interleaved,norm,layout", [(False, True, "bhnd"), (True, False, "bnhd"),
+                                                     (False, False, "bhnd")])
+def test_gradients_through_rope_and_qk_norm(device, interleaved, norm, layout):
+    H, Hkv, d, r = 4, 2, 24, 16
+    x = _rand(B, N, K, seed=0, device=device)
+    ws = [_rand(h * d, K, seed=1 + i, scale=K ** -0.5, device=device) for i, h in enumerate((H, Hkv, Hkv))]
+    bs = [_rand(h * d, seed=5 + i, device=device) for i, h in enumerate((H, Hkv, Hkv))]
+    rotary = _rotary(r, device)
+    if interleaved:
+        rotary = tuple(t[..., : r // 2].repeat_interleave(2, -1) for t in rotary)
+    nw = [_rand(d, seed=8 + i, device=device) * 0.5 + 1 for i in range(2)]
+    outs_g = [_rand(B, h, N, d, seed=20 + i, device=device) for i, h in enumerate((H, Hkv, Hkv))]
+    if layout == "bnhd":
+        outs_g = [g.transpose(1, 2).contiguous() for g in outs_g]
+    leaves = [t.clone().requires_grad_() for t in (x, *ws, *bs, *(nw if norm else []))]
+    lx, lws, lbs = leaves[0], leaves[1:4], leaves[4:7]
+    lnw = leaves[7:9] if norm else None
+    outs = tilefuse.qkv_projection(lx, tuple(lws), tuple(lbs), num_heads=H, num_kv_heads=Hkv, rotary=rotary,
+                                   rotary_interleaved=interleaved, layout=layout,
+                                   qk_norm=(lnw[0], lnw[1], 1e-6) if norm else None)
+    torch.autograd.backward(list(outs), outs_g)
+    ref = [t.detach().double().requires_grad_() for t in (x, *ws, *bs, *(nw if norm else []))]
+    want = reference.qkv_projection(ref[0], ref[1:4], ref[4:7], H, Hkv, tuple(t.double() for t in rotary), interleaved,
+                                    (ref[7], ref[8], 1e-6) if norm else None)
+    if layout == "bnhd":
+        want = [t.transpose(1, 2) for t in want]
+    torch.autograd.backward(list(want), [g.double() for g in outs_g])
+    for i, (got, exp) in enumerate(zip(leaves, ref)):
+        assert_close(got.grad, exp.grad, BOUND, f"grad {i}")

@@ -1,7 +1,9 @@
 """tilefuse.qkv_projection: q, k, v from x in one pass per projection, written in head layout with RoPE and
-QK-norm applied in the GEMM's epilogue (forward).
+QK-norm applied in the GEMM's epilogue.
 
-Registered as ``tilefuse::qkv_projection``. GPT-2's ``Conv1D`` ``c_attn`` keeps its weight as [K, 3K]
+Registered as ``tilefuse::qkv_projection``, with autograd: the backward undoes RoPE (the transposed
+rotation) and QK-norm (recomputing the projection's heads) in PyTorch, then runs tilefuse's linear backward
+GEMMs per projection. GPT-2's ``Conv1D`` ``c_attn`` keeps its weight as [K, 3K]
 (transposed): pass ``c_attn.weight.t()`` (a view; the kernels read W rows with a unit column stride, so
 that view is copied once per call -- 3K*K elements -- or keep a transposed copy of the parameter).
 """
@@ -13,7 +15,7 @@ import torch
 
 from tilefuse import reference, runtime
 from tilefuse.ops import _dispatch
-from tilefuse.ops._checks import check_no_grad_needed, check_same_device, check_same_dtype, check_tensor
+from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, grad_needed
 
 LAYOUTS = ("bhnd", "bnhd")
 
@@ -70,6 +72,66 @@ def _(x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, interleaved,
     return tuple(o if layout == "bhnd" else o.transpose(1, 2) for o in outs)
 
 
+
+def _rotate(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return reference.rotate_pairs(t) if interleaved else reference.rotate_half(t)
+
+
+def _setup(ctx, inputs, output):
+    x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, interleaved, q_norm, k_norm, eps, layout = inputs
+    ctx.save_for_backward(x, wq, wk, wv, bq, bk, bv, cos, sin, q_norm, k_norm)
+    ctx.args = (num_heads, num_kv_heads, interleaved, eps, layout)
+
+
+def _backward(ctx, dq, dk, dv):
+    """Per projection: undo RoPE (cos * do - R(sin * do) on the rotated dims, R the rotation, R^T = -R), undo
+    QK-norm (RMSNorm's backward on the recomputed heads; its weight's gradient summed here), then the
+    linear backward GEMMs (tilefuse.ops.linear.linear_grads) on the head-major gradient."""
+    from tilefuse.ops.linear import linear, linear_grads
+
+    x, wq, wk, wv, bq, bk, bv, cos, sin, q_norm, k_norm = ctx.saved_tensors
+    num_heads, num_kv_heads, interleaved, eps, layout = ctx.args
+    needs = ctx.needs_input_grad
+    B, N, K = x.shape
+    x2d = x.reshape(B * N, K)
+    d = wq.shape[0] // num_heads
+    dx = None
+    grads_w, grads_b, grads_n = [None] * 3, [None] * 3, [None, None]
+    for i, (g, w, b, h) in enumerate(zip((dq, dk, dv), (wq, wk, wv), (bq, bk, bv),
+                                         (num_heads, num_kv_heads, num_kv_heads))):
+        if g is None:
+            continue
+        g = (g if layout == "bhnd" else g.transpose(1, 2)).float()  # [B, h, N, d]
+        if i < 2 and cos is not None:
+            r = cos.shape[-1]
+            c, s_ = (t[:, None] if t.dim() == 3 else t[None, None] for t in (cos.float(), sin.float()))
+            rot = g[..., :r]
+            g = torch.cat([rot * c - _rotate(rot * s_, interleaved), g[..., r:]], dim=-1)
+        norm_w = (q_norm, k_norm)[i] if i < 2 else None
+        if norm_w is not None:
+            pre = linear(x, w, b).view(B, N, h, d).transpose(1, 2).float()
+            rstd = torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + eps)
+            normed = pre * rstd
+            if needs[12 + i]:
+                grads_n[i] = (g * normed).sum((0, 1, 2)).to(norm_w.dtype)
+            gn = g * norm_w.float()
+            g = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+        dy = g.transpose(1, 2).reshape(B * N, h * d).to(x.dtype)
+        need_dx, need_dw, need_db = needs[0], needs[1 + i], b is not None and needs[4 + i]
+        if not (need_dx or need_dw or need_db):
+            continue
+        gx, gw, gb = linear_grads(dy, x2d, w, None, need_dx, need_dw, need_db)
+        if need_dx:
+            dx = gx if dx is None else dx + gx
+        grads_w[i] = gw if need_dw else None
+        grads_b[i] = gb if need_db else None
+    return (None if dx is None else dx.view(B, N, K), *grads_w, *grads_b, None, None, None, None, None,
+            grads_n[0], grads_n[1], None, None)
+
+
+_qkv_op.register_autograd(_backward, setup_context=_setup)
+
+
 def _three(name, value, sizes):
     """A triple (or None) from a triple or one tensor cat'ed along dim 0 in q, k, v order."""
     if value is None:
@@ -93,7 +155,8 @@ def qkv_projection(x: torch.Tensor, weight, bias=None, *, num_heads: int, num_kv
     written by its GEMM's epilogue: no split, transpose or copy kernels. ``rotary=(cos, sin)``, each ``[N, r]``
     or ``[B, N, r]`` with even r <= d, applies RoPE to q and k in HF Llama's rotate-half convention
     (``rotary_interleaved=True``: GPT-J's pairs), r < d rotating the first r dims only. ``qk_norm=(q_weight,
-    k_weight, eps)`` applies a per-head RMSNorm over d to q and k before RoPE (Qwen3). Forward only."""
+    k_weight, eps)`` applies a per-head RMSNorm over d to q and k before RoPE (Qwen3). Differentiable in x,
+    the weights, the biases and the QK-norm weights (not the rotary tables)."""
     check_tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x must be [B, N, K], got shape {tuple(x.shape)}")
@@ -152,7 +215,10 @@ def qkv_projection(x: torch.Tensor, weight, bias=None, *, num_heads: int, num_kv
                 raise ValueError(f"{name} must be [{d}] (the head dim), got {tuple(t.shape)}")
         eps = float(eps)
     wq, wk, wv = (w if K <= 1 or w.stride(1) == 1 else w.contiguous() for w in (wq, wk, wv))
-    check_no_grad_needed("qkv_projection", x, wq, wk, wv, bq, bk, bv, q_norm, k_norm)
+    if cos is not None and grad_needed(cos, sin):
+        raise NotImplementedError("tilefuse.qkv_projection: the rotary cos/sin tables get no gradient; pass them "
+                                  "detached")
+    bq, bk, bv = (None if t is None else t.contiguous() for t in (bq, bk, bv))
     args = (x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, bool(rotary_interleaved), q_norm, k_norm,
             eps, layout)
     if _dispatch.direct(x, wq, wk, wv, bq, bk, bv, cos, sin, q_norm, k_norm):
