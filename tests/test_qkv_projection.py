@@ -96,3 +96,24 @@ def test_gradients_through_rope_and_qk_norm(device, interleaved, norm, layout):
     torch.autograd.backward(list(want), [g.double() for g in outs_g])
     for i, (got, exp) in enumerate(zip(leaves, ref)):
         assert_close(got.grad, exp.grad, BOUND, f"grad {i}")
+
+
+def test_module_state_dict_and_shared_parameters(device):
+    H, Hkv, d = 4, 2, 16
+    module = tilefuse.nn.QKVProjection(K, H, Hkv, d, bias=True, qk_norm=True, device=device, dtype=DTYPE)
+    assert set(module.state_dict()) == {f"{p}.{t}" for p in ("q_proj", "k_proj", "v_proj") for t in ("weight", "bias")} \
+        | {"q_norm.weight", "k_norm.weight"}
+    shared = tilefuse.nn.QKVProjection.from_linears(module.q_proj, module.k_proj, module.v_proj, H, Hkv,
+                                                    module.q_norm, module.k_norm)
+    assert shared.q_proj is module.q_proj and shared.k_norm is module.k_norm
+    x = _rand(B, N, K, seed=0, device=device)
+    rotary = _rotary(d, device)
+    with torch.no_grad():
+        q, k, v = shared(x, rotary)
+        want = reference.qkv_projection(x.double(), [m.weight.double() for m in (module.q_proj, module.k_proj,
+                                                                                  module.v_proj)],
+                                        [m.bias.double() for m in (module.q_proj, module.k_proj, module.v_proj)],
+                                        H, Hkv, tuple(t.double() for t in rotary), False,
+                                        (module.q_norm.weight.double(), module.k_norm.weight.double(), 1e-6))
+    for got, exp, name in zip((q, k, v), want, "qkv"):
+        assert_close(got, exp, BOUND, name)

@@ -15,6 +15,7 @@ from tilefuse.constants import ACTIVATIONS
 from tilefuse.ops.cross_entropy import linear_cross_entropy
 from tilefuse.ops.linear import linear
 from tilefuse.ops.norms import layer_norm_linear
+from tilefuse.ops.qkv import qkv_projection
 
 # GatedMLP's activation names the gate's function; the op takes the gated epilogue's name.
 _GATED = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
@@ -177,3 +178,59 @@ class LinearCrossEntropy(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, softcap={self.softcap}")
+
+
+class QKVProjection(torch.nn.Module):
+    """q, k, v in head layout from one call of :func:`tilefuse.qkv_projection`, holding ``q_proj``,
+    ``k_proj``, ``v_proj`` (``torch.nn.Linear``) and, with ``qk_norm``, ``q_norm`` / ``k_norm``
+    (``torch.nn.RMSNorm`` over the head dim): the Llama / Qwen3 state-dict names. ``forward(x, rotary=None)``
+    with x ``[B, N, hidden]`` and rotary ``(cos, sin)`` returns ``(q, k, v)`` as ``[B, H, N, d]``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 bias: bool = True, qk_norm: bool = False, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+        head_dim = hidden_size // num_heads if head_dim is None else head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = torch.nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
+        self.k_proj = torch.nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = torch.nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
+        if qk_norm:
+            self.q_norm = torch.nn.RMSNorm(head_dim, eps=eps, **factory)
+            self.k_norm = torch.nn.RMSNorm(head_dim, eps=eps, **factory)
+        else:
+            self.q_norm = self.k_norm = None
+
+    @classmethod
+    def from_linears(cls, q_proj: torch.nn.Linear, k_proj: torch.nn.Linear, v_proj: torch.nn.Linear, num_heads: int,
+                     num_kv_heads: int | None = None, q_norm: torch.nn.RMSNorm | None = None,
+                     k_norm: torch.nn.RMSNorm | None = None) -> "QKVProjection":
+        """A QKVProjection holding the given modules themselves (parameters shared, not copied)."""
+        for name, m in (("q_proj", q_proj), ("k_proj", k_proj), ("v_proj", v_proj)):
+            _check_is_linear(name, m)
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm must both be given or neither")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if q_proj.out_features % num_heads:
+            raise ValueError(f"q_proj.out_features ({q_proj.out_features}) must be a multiple of num_heads")
+        head_dim = q_proj.out_features // num_heads
+        module = cls(q_proj.in_features, num_heads, num_kv_heads, head_dim, bias=q_proj.bias is not None,
+                     qk_norm=q_norm is not None, device="meta")
+        module.q_proj, module.k_proj, module.v_proj = q_proj, k_proj, v_proj
+        module.q_norm, module.k_norm = q_norm, k_norm
+        return module
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
+        bias = None if self.q_proj.bias is None else (self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)
+        qk_norm = None
+        if self.q_norm is not None:
+            eps = self.q_norm.eps if self.q_norm.eps is not None else torch.finfo(x.dtype).eps
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, eps)
+        return qkv_projection(x, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), bias,
+                              num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, rotary=rotary, qk_norm=qk_norm)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
