@@ -1,0 +1,96 @@
+"""Registry entry: the QKV projection into head layout, with RoPE and QK-norm (tilefuse.qkv_projection)."""
+from __future__ import annotations
+
+import torch
+
+from tilefuse import reference
+from tilefuse.opspec import OpSpec
+from tilefuse.opspecs.linear import random_normal
+from tilefuse.ops import qkv as qkv_op
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _rotary(B, N, r, device, batched):
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+    pos = torch.arange(N, dtype=torch.float64)[None, :, None] + (torch.arange(B)[:, None, None] * 5 if batched else 0)
+    emb = torch.cat([pos * inv, pos * inv], -1)
+    cos, sin = emb.cos().float().to(device), emb.sin().float().to(device)
+    return (cos, sin) if batched else (cos[0], sin[0])
+
+
+def make_inputs(params: dict, device, seed: int) -> dict:
+    """x ~ N(0, 1) [B, N, K], the three weights ~ N(0, 1/K), biases ~ N(0, 1), HF-style rotary tables for
+    ``rotary`` dims (0: none), QK-norm weights ~ N(1, 0.5) with ``qk_norm``."""
+    B, N, K, H, Hkv, d = params["shape"]
+    randn = random_normal(params["dtype"], device, seed)
+    r = params.get("rotary", 0)
+    return {
+        "x": randn(B, N, K),
+        "weight": tuple(randn(h * d, K, scale=K ** -0.5) for h in (H, Hkv, Hkv)),
+        "bias": tuple(randn(h * d) for h in (H, Hkv, Hkv)) if params.get("bias", True) else None,
+        "num_heads": H, "num_kv_heads": Hkv,
+        "rotary": _rotary(B, N, r, device, params.get("batched_rotary", False)) if r else None,
+        "qk_norm": (randn(d) * 0.5 + 1, randn(d) * 0.5 + 1, 1e-6) if params.get("qk_norm") else None,
+        "layout": params.get("layout", "bhnd"),
+    }
+
+
+def _fused(x, weight, bias, num_heads, num_kv_heads, rotary, qk_norm, layout):
+    return qkv_op.qkv_projection(x, weight, bias, num_heads=num_heads, num_kv_heads=num_kv_heads, rotary=rotary,
+                                 qk_norm=qk_norm, layout=layout)
+
+
+def _reference(x, weight, bias, num_heads, num_kv_heads, rotary, qk_norm, layout):
+    """Eager: three projections, view, transpose (to contiguous head layout), QK-norm and HF's RoPE."""
+    outs = reference.qkv_projection(x, weight, bias if bias is not None else (None, None, None), num_heads,
+                                    num_kv_heads, rotary, False, qk_norm)
+    return tuple((o if layout == "bhnd" else o.transpose(1, 2)).contiguous() for o in outs)
+
+
+def _bytes(params):
+    """fused: x, the weights and q, k, v once, plus the rotary tables; eager: the projections' outputs,
+    then the transposing copies, then QK-norm and RoPE each reading and writing q and k."""
+    B, N, K, H, Hkv, d = params["shape"]
+    s = params["dtype"].itemsize
+    M, qkv = B * N, (H + 2 * Hkv) * d
+    qk = M * (H + Hkv) * d * s
+    fused = (M * K + qkv * K + M * qkv) * s + (2 * N * params.get("rotary", 0) * 4)
+    eager = fused + 2 * M * qkv * s + (2 * qk if params.get("qk_norm") else 0) + (2 * qk if params.get("rotary") else 0)
+    return {"fused": fused, "unfused": eager}
+
+
+QKV_PROJECTION = OpSpec(
+    name="qkv_projection",
+    summary="q, k, v written by the GEMM epilogue in head layout, with RoPE and QK-norm there (forward)",
+    fused=_fused,
+    reference=_reference,
+    make_inputs=make_inputs,
+    test_grid={
+        "shape": [(2, 9, 40, 4, 2, 16), (1, 5, 24, 2, 1, 24), (3, 7, 33, 2, 2, 80)],
+        "dtype": [FP32, FP16, BF16],
+        "rotary": [0, 16],
+        "qk_norm": [False, True],
+        "bias": [True, False],
+        "layout": ["bhnd", "bnhd"],
+    },
+    gpu_test_grid={"shape": [(2, 257, 1000, 8, 2, 128), (1, 300, 768, 12, 12, 64)]},
+    bench_cases=[dict(shape=(4, 2048, 4096, 32, 32, 128), dtype=BF16),
+                 dict(shape=(8, 2048, 768, 12, 12, 64), dtype=BF16),
+                 dict(shape=(1, 2048, 4096, 32, 8, 128), dtype=BF16, rotary=128),
+                 dict(shape=(1, 2048, 4096, 32, 8, 128), dtype=BF16, rotary=128, qk_norm=True)],
+    accuracy_cases={
+        "cpu": [dict(shape=(2, 9, 40, 4, 2, 16), dtype=d, rotary=16, qk_norm=True) for d in (FP32, BF16)],
+        "gpu": [dict(shape=(2, 1024, 2048, 16, 4, 128), dtype=d, rotary=128, qk_norm=True) for d in (FP32, BF16)],
+    },
+    flops=lambda p: 2.0 * p["shape"][0] * p["shape"][1] * p["shape"][2] * (p["shape"][3] + 2 * p["shape"][4])
+    * p["shape"][5],
+    hbm_bytes=_bytes,
+    bound="compute",
+    label=lambda p: (f"B{p['shape'][0]} N{p['shape'][1]} K{p['shape'][2]} H{p['shape'][3]}/{p['shape'][4]} "
+                     f"d{p['shape'][5]}" + (f" rope{p['rotary']}" if p.get("rotary") else "")
+                     + (" qknorm" if p.get("qk_norm") else "") + ("" if p.get("bias", True) else " nobias")
+                     + (f" {p['layout']}" if p.get("layout", "bhnd") != "bhnd" else "")),
+)
+
+SPECS = [QKV_PROJECTION]
