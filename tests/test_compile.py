@@ -92,6 +92,13 @@ CASES = {
                       lambda x, wq, wk, wv, nq, nk: tilefuse.qkv_projection(
                           x, (wq, wk, wv), num_heads=2, num_kv_heads=1, rotary=_rope_tables(x.shape[1], x),
                           qk_norm=(nq, nk, 1e-6)), ("qkv",)),
+    "attention_varlen": (lambda n, d, g: (_randn(g, n, 4, D, device=d), _randn(g, n + 5, 2, D, device=d),
+                                          _randn(g, n + 5, 2, D, device=d),
+                                          torch.tensor([0, n // 2, n], dtype=torch.int32, device=d),
+                                          torch.tensor([0, n // 2 + 5, n + 5], dtype=torch.int32, device=d)),
+                         lambda q, k, v, cq, ck: tilefuse.attention_varlen(q, k, v, cq, ck, q.shape[0], k.shape[0],
+                                                                           causal=True, validate=False),
+                         ("attention",)),
     "softmax_last": (lambda n, d, g: (_x(n, d, g),), lambda x: tilefuse.softmax(x, dim=-1), ("softmax",)),
     "softmax_dim0": (lambda n, d, g: (_x(n, d, g),), lambda x: tilefuse.softmax(x, dim=0), ("softmax",)),
     "attention_causal_gqa": (lambda n, d, g: _qkv(n, d, g, 4, 2),
@@ -103,7 +110,7 @@ CASES = {
 FORWARD_CASES = [c for c in CASES if c != "rms_norm_residual"]
 GRAD_CASES = ["linear_gelu_bias", "swiglu_pair", "layer_norm", "layer_norm_residual", "rms_norm", "rms_norm_residual",
               "layer_norm_linear_layer", "layer_norm_linear_rms", "softmax_last", "softmax_dim0", "attention_causal_gqa",
-              "sdpa_bool_mask", "qkv_rope_norm"]
+              "sdpa_bool_mask", "qkv_rope_norm", "attention_varlen"]
 
 
 def _sizes(case):

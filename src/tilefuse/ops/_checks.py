@@ -47,3 +47,12 @@ def check_no_grad_needed(op: str, *tensors) -> None:
         raise NotImplementedError(
             f"tilefuse.{op} has no backward yet; call it under torch.no_grad() or on tensors that do "
             "not require grad")
+
+
+def check_softcap(softcap):
+    """Gemma 2's logit soft-capping value: None or a positive finite number (returned as a float or None)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    return float(softcap)

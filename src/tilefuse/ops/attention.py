@@ -16,7 +16,7 @@ import torch
 
 from tilefuse import runtime
 from tilefuse.ops import _dispatch
-from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, grad_needed
+from tilefuse.ops._checks import check_same_device, check_same_dtype, check_softcap, check_tensor, grad_needed
 from tilefuse.reference import attention as ref_attention
 
 MAX_HEAD_DIM = 256
@@ -285,11 +285,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def _check_modifiers(q, softcap, alibi_slopes):
     """(softcap as a float or None, the slopes viewed as [B, Hq] or None), checked."""
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-                or softcap <= 0:
-            raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
-        softcap = float(softcap)
+    softcap = check_softcap(softcap)
     if alibi_slopes is None:
         return softcap, None
     if not isinstance(alibi_slopes, torch.Tensor):

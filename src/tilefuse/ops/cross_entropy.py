@@ -12,14 +12,10 @@ import torch
 
 from tilefuse import runtime
 from tilefuse.ops import _dispatch
-from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor
+from tilefuse.ops._checks import check_same_device, check_same_dtype, check_softcap, check_tensor
+from tilefuse.ops.linear import _gemm_launch
 
 REDUCTIONS = ("mean", "sum", "none")
-
-
-def _gemm_launch():
-    from tilefuse.ops.linear import _gemm_launch as launch
-    return launch()
 
 
 def _reference_rows(x2d, weight, bias, target, ignore_index, smoothing, softcap):
@@ -172,9 +168,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or \
             not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or
-                                not softcap > 0 or softcap == float("inf")):
-        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    softcap = check_softcap(softcap)
     if check_targets and target.numel():
         bad = ((target < 0) | (target >= V)) & (target != ignore_index)
         if bool(bad.any()):
@@ -187,8 +181,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
         weight = weight.contiguous()  # the kernels read W rows with a unit column stride
     t1d = target.reshape(-1).contiguous()
     bias = None if bias is None else bias.contiguous()
-    args = (x2d, weight, bias, t1d, int(ignore_index), float(label_smoothing),
-            None if softcap is None else float(softcap))
+    args = (x2d, weight, bias, t1d, int(ignore_index), float(label_smoothing), softcap)
     if _dispatch.direct(x2d, weight, bias, t1d):
         rows, lse = _rows_impl(*args)
     else:

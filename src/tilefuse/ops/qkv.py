@@ -16,6 +16,7 @@ import torch
 from tilefuse import reference, runtime
 from tilefuse.ops import _dispatch
 from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, grad_needed
+from tilefuse.ops.linear import _gemm_launch, linear, linear_grads
 
 LAYOUTS = ("bhnd", "bnhd")
 
@@ -46,13 +47,11 @@ def _impl(x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, interlea
         for out, r in zip(outs, ref):
             out.copy_(r)
     else:
-        runtime.check_triton()
-        from tilefuse.kernels.gemm import launch
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.shape[1] > 1 and x2d.stride(1) != 1:
             x2d = x2d.contiguous()
         with _dispatch.on_device(x):
-            launch.qkv_projection(x2d, x.shape[1], (wq, wk, wv), (bq, bk, bv), heads, d, rotary, interleaved, qk_norm,
+            _gemm_launch().qkv_projection(x2d, x.shape[1], (wq, wk, wv), (bq, bk, bv), heads, d, rotary, interleaved, qk_norm,
                                   outs, path)
     return tuple(o if layout == "bhnd" else o.transpose(1, 2) for o in outs)
 
@@ -87,8 +86,6 @@ def _backward(ctx, dq, dk, dv):
     """Per projection: undo RoPE (cos * do - R(sin * do) on the rotated dims, R the rotation, R^T = -R), undo
     QK-norm (RMSNorm's backward on the recomputed heads; its weight's gradient summed here), then the
     linear backward GEMMs (tilefuse.ops.linear.linear_grads) on the head-major gradient."""
-    from tilefuse.ops.linear import linear, linear_grads
-
     x, wq, wk, wv, bq, bk, bv, cos, sin, q_norm, k_norm = ctx.saved_tensors
     num_heads, num_kv_heads, interleaved, eps, layout = ctx.args
     needs = ctx.needs_input_grad
