@@ -117,9 +117,7 @@ def tma_launch_device(monkeypatch):
         return torch.device("cuda")
     import triton
     from tilefuse import runtime
-    from tilefuse.kernels import tiling
 
     monkeypatch.setattr(runtime, "device_facts", lambda device: (9, 3))
-    monkeypatch.setattr(tiling, "_descriptor_allocator_set", True)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
     return torch.device("cpu")

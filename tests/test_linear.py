@@ -303,3 +303,37 @@ def test_replayed_launches_compute_each_calls_inputs(M, dtype):
     ref = reference.linear(x_off.double(), w.double(), b.double(), "gelu")
     assert_close(y, ref, REL_L2_BOUND[dtype], f"misaligned M{M} {dtype}")
     assert len(launch._LINEAR) == 2
+
+
+def test_descriptor_allocator_is_set_in_each_thread_that_launches():
+    """Triton keeps its allocator in a ContextVar: a thread of its own (the autograd engine's backward
+    thread, a serving thread) starts with none, so the TMA launch sets it there too; a user's own
+    allocator is left in place."""
+    import threading
+
+    import triton
+    from triton.runtime import _allocation
+
+    from tilefuse.kernels import tiling
+
+    seen = {}
+
+    def fresh_thread():
+        seen["before"] = _allocation._allocator.get()
+        tiling.ensure_descriptor_allocator()
+        seen["after"] = _allocation._allocator.get()
+
+    def users_thread():
+        def mine(size, alignment, stream):
+            return torch.empty(size, dtype=torch.int8)
+        triton.set_allocator(mine)
+        tiling.ensure_descriptor_allocator()
+        seen["kept"] = _allocation._allocator.get() is mine
+
+    for target in (fresh_thread, users_thread):
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+    assert isinstance(seen["before"], _allocation.NullAllocator)
+    assert seen["after"] is tiling._descriptor_scratch
+    assert seen["kept"]

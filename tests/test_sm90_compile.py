@@ -343,9 +343,35 @@ def test_attention_varlen_and_modifiers_compile_for_sm90(kernel):
 @pytest.mark.parametrize("rope,norm", [(False, False), (True, True)])
 def test_qkv_projection_compiles_to_wgmma(rope, norm):
     """The head-layout QKV kernel at d = 128 (rotary halves of 64) compiles for sm_90a and feeds wgmma."""
-    consts = dict(HAS_BIAS=True, HAS_ROPE=rope, INTERLEAVED=False, HAS_NORM=norm, UPCAST_DOT=False, BLOCK_M=64,
+    consts = dict(HAS_BIAS=True, HAS_ROPE=rope, INTERLEAVED=False, HAS_NORM=norm, INPUT_PRECISION="tf32",
+                  UPCAST_DOT=False, BLOCK_M=64,
                   BLOCK_R=64, BLOCK_P=16 if rope else 128, BLOCK_K=64)
     sig = {"*": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"}
     facts = compile_sm90("tilefuse.kernels.gemm.qkv", "qkv_projection_kernel", sig, consts, 4, 3,
                          aligned=("x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn"))
     assert facts["wgmma"], facts
+
+
+@pytest.mark.parametrize("kernel", ["qkv", "lce_forward", "lce_backward"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_fp32_gemm_kernels_honour_the_input_precision(kernel, precision):
+    """fp32 operands run full-precision FMA dots unless torch allows TF32 (launch.precision_for): a tl.dot
+    left at its default precision rounds fp32 operands to TF32, which on the H200 put the fp32 QKV rows at
+    rel-L2 5e-4 to 8e-4 against the 1e-5 bound. TF32 dots are wgmma; IEEE ones are not."""
+    from tilefuse.kernels.gemm.launch import LCE_TILE
+    if kernel == "qkv":
+        module, name = "tilefuse.kernels.gemm.qkv", "qkv_projection_kernel"
+        consts = dict(HAS_BIAS=True, HAS_ROPE=True, INTERLEAVED=False, HAS_NORM=True, BLOCK_M=64, BLOCK_R=32,
+                      BLOCK_P=16, BLOCK_K=32)
+        sig = {"*": "*fp32", "eps": "fp32"}
+    else:
+        module, name = "tilefuse.kernels.gemm.cross_entropy", kernel + "_kernel"
+        consts = dict(HAS_BIAS=True, HAS_SOFTCAP=True, **{k: v for k, v in LCE_TILE.items() if k.startswith("BLOCK")})
+        if kernel == "lce_backward":
+            consts.update(NEED_DX=True, NEED_DW=True, NEED_DB=True)
+        sig = {"*": "*fp32", "target_ptr": "*i64", "softcap": "fp32"}
+        if kernel == "lce_backward":
+            sig["smoothing"] = "fp32"
+    consts.update(INPUT_PRECISION=precision, UPCAST_DOT=False)
+    facts = compile_sm90(module, name, sig, consts, 4, 2)
+    assert facts["wgmma"] == (precision == "tf32"), facts

@@ -2,6 +2,7 @@
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 
 @triton.jit
@@ -18,13 +19,14 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-_descriptor_allocator_set = False
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def ensure_descriptor_allocator() -> None:
     """Device-side tensor descriptors (tl.make_tensor_descriptor) need global scratch for the
-    descriptors themselves, taken from the allocator triton is given; set it once per process."""
-    global _descriptor_allocator_set
-    if not _descriptor_allocator_set:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _descriptor_allocator_set = True
+    descriptors themselves, taken from the allocator triton is given. Triton keeps that allocator in a
+    ContextVar, so it is set per thread: the autograd engine runs backward passes on threads of its own,
+    and a user's serving or loader thread is another. Set where none is; an allocator the user set stays."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_descriptor_scratch)

@@ -110,6 +110,9 @@ def grad_weight_kernel(
     UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    # db only from a g made here (dy * slope): a loaded dy tile feeding both the dot and the sum compiles
+    # wrong on sm_90 with triton 3.6 (the launch layer sums dy itself when there is no slope).
+    tl.static_assert(HAS_SLOPE or not HAS_BIAS, "db is summed here only with a slope")
     pid_n, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
     offs_n = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)  # output rows: the forward's N
     offs_k = pid_k * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns: the forward's K

@@ -26,8 +26,8 @@ from tilefuse.kernels.activations import tanh
 
 @triton.jit
 def _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
-                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """(logits z [BLOCK_M, BLOCK_V] fp32 after bias and softcap, tanh of the capped argument) for the
     token rows and vocabulary columns given; columns past V come back as -inf."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -41,7 +41,7 @@ def _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride
         if UPCAST_DOT:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(x, w, acc)
+        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
     t = acc
@@ -56,7 +56,7 @@ def lce_forward_kernel(
     x_ptr, w_ptr, b_ptr, target_ptr, part_ptr,  # part: fp32 [4, SPLITS, M]: max, sum of exp, z_target, sum z
     M, V, K, V_SLICE,                            # V_SLICE: vocabulary columns per slice (a multiple of BLOCK_V)
     stride_xm, stride_wv, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -76,7 +76,7 @@ def lce_forward_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < v_end
         z, _ = _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
-                           HAS_BIAS, HAS_SOFTCAP, UPCAST_DOT, BLOCK_M, BLOCK_V, BLOCK_K)
+                           HAS_BIAS, HAS_SOFTCAP, INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_V, BLOCK_K)
         m_new = tl.maximum(m_i, tl.max(z, 1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
         m_i = m_new
@@ -98,7 +98,7 @@ def lce_backward_kernel(
     M, V, K,
     stride_xm, stride_wv, softcap, smoothing,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NEED_DB: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -109,7 +109,7 @@ def lce_backward_kernel(
     mask_v = offs_v < V
     offs_m64 = offs_m.to(tl.int64)
     z, t = _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
-                       HAS_BIAS, HAS_SOFTCAP, UPCAST_DOT, BLOCK_M, BLOCK_V, BLOCK_K)
+                       HAS_BIAS, HAS_SOFTCAP, INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_V, BLOCK_K)
     lse = tl.load(lse_ptr + offs_m64, mask=mask_m, other=0.0)
     dloss = tl.load(dloss_ptr + offs_m64, mask=mask_m, other=0.0)
     target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
@@ -133,12 +133,14 @@ def lce_backward_kernel(
                         mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
             if UPCAST_DOT:
                 w = w.to(tl.float32)
-            tl.atomic_add(dx_ptr + offs_m64[:, None] * K + ks[None, :], tl.dot(dz_op, w),
+            tl.atomic_add(dx_ptr + offs_m64[:, None] * K + ks[None, :],
+                          tl.dot(dz_op, w, input_precision=INPUT_PRECISION),
                           mask=mask_m[:, None] & mask_k[None, :])
         if NEED_DW:
             x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + ks[None, :], mask=mask_m[:, None] & mask_k[None, :],
                         other=0.0)  # [BLOCK_M, BLOCK_K]
             if UPCAST_DOT:
                 x = x.to(tl.float32)
-            tl.atomic_add(dw_ptr + offs_v.to(tl.int64)[:, None] * K + ks[None, :], tl.dot(tl.trans(dz_op), x),
+            tl.atomic_add(dw_ptr + offs_v.to(tl.int64)[:, None] * K + ks[None, :],
+                          tl.dot(tl.trans(dz_op), x, input_precision=INPUT_PRECISION),
                           mask=mask_v[:, None] & mask_k[None, :])

@@ -429,21 +429,28 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
         launches.record("linear_backward", path, "grad input, g = dy * slope in its loads",
                         lambda: tuning.describe(cfg))
     dws, dbs = [none(), none()], [none(), none()]
-    if need_dw or need_db:
+    # Without an activation g is dy itself, already in HBM: db is its column sum, one read of dy (eager's
+    # own db). The dW kernel sums db only from a g it makes (dy * slope): with a loaded dy tile feeding both
+    # the dot and the elementwise sum, triton 3.6's sm_90 pipeline gives a wrong, run-to-run varying dW
+    # (rel-L2 3e-2 at M1024 K768 N3072 fp16 / bf16 on the H200; NOTES.md).
+    fused_db = need_db and slope is not None
+    if need_db and not fused_db:
+        dbs[0] = dy2d.sum(0, dtype=torch.float32).to(x.dtype)
+    if need_dw or fused_db:
         x_rows, m_inner, s_outer, s_inner, s_k = row_addressing(x)
         two_strides = s_outer != 0 and m_inner != M
         branches = ((w, s2d), (w_up, su2d)) if gated else ((w, s2d),)
         for i, (wb, sb) in enumerate(branches):
             dw = dws[i] = torch.empty_like(wb)  # the weight's own layout when it is dense
             db = dw
-            if need_db:
+            if fused_db:
                 db = dbs[i] = torch.empty(N, dtype=x.dtype, device=x.device)
             args = (dy2d, sb, x_rows, dw, db, M, N, K, sizes.m_bucket(M), m_inner, s_outer, s_inner, s_k,
                     dy2d.stride(0), dy2d.stride(1), sb.stride(0), sb.stride(1), dw.stride(0), dw.stride(1))
             cfg = _launch_backward(grad_weight_kernel, grad_weight_tuned, args,
-                                   dict(flags, HAS_BIAS=need_db, TWO_ROW_STRIDES=two_strides), interpret,
+                                   dict(flags, HAS_BIAS=fused_db, TWO_ROW_STRIDES=two_strides), interpret,
                                    lambda meta: (cdiv(N, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),))
-            launches.record("linear_backward", path, "grad weight" + (" + bias" if need_db else "")
+            launches.record("linear_backward", path, "grad weight" + (" + bias" if fused_db else "")
                             + ", g = dy * slope in its loads", lambda: tuning.describe(cfg))
     if gated:
         return dx, dws[0], dws[1], dbs[0], dbs[1]
@@ -494,6 +501,7 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
         x2d, w, b if b is not None else w, target, part, M, V, K, v_slice, x2d.stride(0), w.stride(0),
         float(softcap or 0.0)),
         dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None,
+             INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
              UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
     launches.record("linear_cross_entropy", path, f"online lse over {splits} vocabulary slices",
                     lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
@@ -523,7 +531,8 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
         x2d, w, b if b is not None else w, target, lse, dloss, dx if need_dx else lse, dw if need_dw else lse,
         db if need_db else lse, M, V, K, x2d.stride(0), w.stride(0), float(softcap or 0.0), float(smoothing)),
         dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, NEED_DX=need_dx, NEED_DW=need_dw,
-             NEED_DB=need_db, UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
+             NEED_DB=need_db, INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
+             UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
     launches.record("linear_cross_entropy_backward", path, "logit tiles recomputed, fp32 atomics",
                     lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
     return (dx.to(x2d.dtype) if need_dx else dx, dw.to(w.dtype) if need_dw else dw,
@@ -556,7 +565,7 @@ def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inter
             x2d.stride(0), w.stride(0), out.stride(0), out.stride(1), out.stride(2), stride_cb, stride_cn,
             float(qk_norm[2]) if use_norm else 0.0),
             dict(HAS_BIAS=b is not None, HAS_ROPE=use_rope, INTERLEAVED=bool(interleaved), HAS_NORM=use_norm,
-                 UPCAST_DOT=interpret and x2d.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_P=block_p, **tile))
+                 INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda), UPCAST_DOT=interpret and x2d.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_P=block_p, **tile))
     launches.record("qkv_projection", path, "head layout, RoPE and QK-norm in the epilogue",
                     lambda: f"{tile['BLOCK_M']} rows, K by {tile['BLOCK_K']}")
     return outs

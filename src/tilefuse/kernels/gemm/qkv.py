@@ -19,7 +19,8 @@ import triton.language as tl
 
 @triton.jit
 def _head_part(x_ptr, w_ptr, offs_m64, mask_m, rows, mask_c, K, stride_xm, stride_wn,
-               UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+               INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """x[rows m] @ W[rows]^T for the weight rows ``rows`` ([BLOCK_C], masked by ``mask_c``): fp32."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
@@ -32,7 +33,7 @@ def _head_part(x_ptr, w_ptr, offs_m64, mask_m, rows, mask_c, K, stride_xm, strid
         if UPCAST_DOT:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(x, w, acc)
+        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
     return acc
 
 
@@ -45,6 +46,7 @@ def qkv_projection_kernel(
     stride_cb, stride_cn,                  # cos/sin [B, N, r] (stride_cb 0 for [N, r]), unit last stride
     eps,
     HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # fp32: "ieee" unless torch allows TF32 matmuls (launch.precision_for)
     UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -69,11 +71,11 @@ def qkv_projection_kernel(
     mask_p = col_p < HEAD_DIM
     row0 = head * HEAD_DIM
     acc_a = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_a, mask_r, K, stride_xm, stride_wn,
-                       UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
+                       INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
     acc_b = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_b, mask_r, K, stride_xm, stride_wn,
-                       UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
+                       INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
     acc_p = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_p, mask_p, K, stride_xm, stride_wn,
-                       UPCAST_DOT, BLOCK_M, BLOCK_P, BLOCK_K)
+                       INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_P, BLOCK_K)
     if HAS_BIAS:
         acc_a += tl.load(b_ptr + row0 + col_a, mask=mask_r, other=0.0).to(tl.float32)[None, :]
         acc_b += tl.load(b_ptr + row0 + col_b, mask=mask_r, other=0.0).to(tl.float32)[None, :]
