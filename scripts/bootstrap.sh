@@ -20,5 +20,5 @@ fi
 if ! "$V" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   pip_install "numpy<2.4"
 fi
-pip_install pytest pytest-xdist hypothesis matplotlib rich
+pip_install pytest pytest-xdist hypothesis matplotlib rich "transformers==5.17.0"
 pip_install --no-deps -e .

@@ -3,13 +3,15 @@
 The patcher recognises patterns, not model classes: a norm module (torch's LayerNorm / RMSNorm, or any
 class named ``*RMSNorm`` with a 1-D ``weight`` and an ``eps`` / ``variance_epsilon``), a gated MLP
 (``gate_proj`` / ``up_proj`` / ``down_proj`` Linears and an ``act_fn`` that computes SiLU or GELU), and a
-Linear followed by an activation inside an ``nn.Sequential``. Each candidate is built on the original
-parameters (shared, never copied: state dicts are unchanged) and, with ``verify=True``, run beside the
-original on a small random input; it is kept only if it matches within its dtype's bound, otherwise the
-report says why it was skipped (Gemma's ``1 + weight`` norm, for example, fails its check). Plain Linears
-are left alone: with no epilogue to fuse, cuBLAS is the faster GEMM. LoRA-wrapped layers are left alone
-and reported. Attention, the QKV projection and the LM-head loss are not patched yet (see the report's
-``skipped``). ``unpatch`` restores the original module objects.
+Linear (or GPT-2's transposed ``Conv1D``) followed by an activation, inside an ``nn.Sequential`` or as the
+two children of a module whose forward runs one into the other (BERT's intermediate, GPT-2's MLP). Each
+candidate is built on the original parameters (shared, never copied: state dicts are unchanged) and, with
+``verify=True``, run beside the original on a small random input; it is kept only if it matches within its
+dtype's bound, otherwise the report says why it was skipped (Gemma's ``1 + weight`` norm, for example,
+fails its check). Plain Linears are left alone: with no epilogue to fuse, cuBLAS is the faster GEMM.
+LoRA-wrapped layers are left alone and reported. On Hugging Face models the attention function and the
+rotary Q/K/V projections are patched too (patching_hf.py), each step proven on the whole model. The
+LM-head loss is not patched yet (the report says so). ``unpatch`` restores the original modules.
 """
 from __future__ import annotations
 
@@ -156,15 +158,18 @@ def _features(module) -> int:
     return int(module.weight.shape[-1])
 
 
-def patch(model: torch.nn.Module, *, norm: bool = True, mlp: bool = True, linear: bool = True,
-          verify: bool = True) -> PatchReport:
+def patch(model: torch.nn.Module, *, norm: bool = True, mlp: bool = True, qkv: bool = True, attention: bool = True,
+          linear: bool = True, loss: bool = True, verify: bool = True) -> PatchReport:
     """Replace, in place, the parts of ``model`` tilefuse fuses (see the module doc); returns the report.
     Patching a patched model changes nothing and says so; :func:`unpatch` undoes it."""
+    from tilefuse import patching_hf
     report = PatchReport()
     originals = getattr(model, _ORIGINALS, None)
-    if originals:
-        report.skipped.append(("", f"already patched ({len(originals)} modules); unpatch first to patch again"))
+    if originals or getattr(model, patching_hf._STATE, None):
+        report.skipped.append(("", f"already patched ({len(originals or {})} modules); unpatch first to patch again"))
         return report
+    hf = patching_hf.is_hf_model(model)
+    reference = patching_hf._probe_output(model)[0] if hf and verify and (attention or qkv) else None
     if originals is None:
         originals = {}
         object.__setattr__(model, _ORIGINALS, originals)
@@ -188,12 +193,87 @@ def patch(model: torch.nn.Module, *, norm: bool = True, mlp: bool = True, linear
                 report.skipped.append((child_path, check))
         if linear and isinstance(module, torch.nn.Sequential):
             _fuse_sequential(module, path, swaps, report, verify)
+        elif linear:
+            _fuse_child_pair(module, path, swaps, report, verify)
     for parent, name, child_path, child, candidate, check in swaps:
         candidate.train(child.training)
         setattr(parent, name, candidate)
         originals[child_path] = child
         report.replaced.append((child_path, type(child).__name__, type(candidate).__name__, check))
+    if hf:
+        patching_hf.patch(model, report, attention=attention, qkv=qkv, verify=verify, reference=reference)
+        if loss and hasattr(model, "lm_head"):
+            report.skipped.append(("lm_head", "the LM-head loss through linear_cross_entropy is not patched yet"))
     return report
+
+
+class Conv1DLinear(torch.nn.Module):
+    """GPT-2's ``Conv1D`` (weight stored [in, out], i.e. nn.Linear's transposed) with an activation fused:
+    tilefuse.linear reads the shared weight through its transposed view, no copy."""
+
+    def __init__(self, conv: torch.nn.Module, activation: str) -> None:
+        super().__init__()
+        self.weight, self.bias, self.activation = conv.weight, conv.bias, activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tilefuse.ops.linear import linear
+        return linear(x, self.weight.t(), self.bias, self.activation)
+
+
+def _is_conv1d(module) -> bool:
+    w = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(w, torch.nn.Parameter) and w.dim() == 2
+            and getattr(module, "nf", None) == w.shape[1])
+
+
+def _fused_linear(lin, activation):
+    """(fused module, in_features) for a Linear or a Conv1D child, or None."""
+    if type(lin) is torch.nn.Linear and not _is_lora(lin):
+        return tnn.Linear.from_linear(lin, activation), lin.in_features
+    if _is_conv1d(lin):
+        return Conv1DLinear(lin, activation), lin.weight.shape[0]
+    return None
+
+
+def _fuse_child_pair(parent, path, swaps, report, verify):
+    """A module (not a Sequential) with one activation child and Linear / Conv1D children: the first of those
+    whose output the forward feeds to the activation (proven by running the parent with the pair fused and
+    the activation slot made Identity) is fused with it."""
+    children = dict(parent.named_children())
+    acts = [(n, a) for n, a in children.items() if not list(a.parameters()) and _activation_name(a)]
+    if len(acts) != 1 or any(p is parent for p, *_ in swaps) or getattr(parent, "gate_proj", None) is not None:
+        return
+    act_name, act = acts[0]
+    activation = _activation_name(act)
+    prefix = f"{path}." if path else ""
+    for name, lin in children.items():
+        fused = _fused_linear(lin, activation)
+        if fused is None:
+            continue
+        candidate, features = fused
+        x = _probe(features, lin)
+        try:
+            with torch.no_grad():
+                want = parent(x)
+                setattr(parent, name, candidate)
+                setattr(parent, act_name, torch.nn.Identity())
+                try:
+                    got = parent(x)
+                finally:
+                    setattr(parent, name, lin)
+                    setattr(parent, act_name, act)
+        except Exception:  # noqa: BLE001 - a parent whose forward takes other inputs: not this pattern
+            return
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            continue
+        err = _rel_l2(got, want)
+        bound = REL_L2_BOUND.get(x.dtype, 1e-2)
+        if verify and not err <= bound:
+            continue
+        check = f"rel-L2 {err:.1e} <= {bound:.0e} on a probe of {type(parent).__name__}, {type(act).__name__} fused"
+        swaps.append((parent, name, prefix + name, lin, candidate, check))
+        swaps.append((parent, act_name, prefix + act_name, act, torch.nn.Identity(), "fused into " + prefix + name))
+        return
 
 
 def _fuse_sequential(seq, path, swaps, report, verify):
@@ -223,7 +303,9 @@ def _fuse_sequential(seq, path, swaps, report, verify):
 
 def unpatch(model: torch.nn.Module) -> PatchReport:
     """Put back every module :func:`patch` replaced (the very objects); a no-op on an unpatched model."""
+    from tilefuse import patching_hf
     report = PatchReport()
+    patching_hf.unpatch(model, report)
     originals = getattr(model, _ORIGINALS, None) or {}
     for path, original in list(originals.items()):
         parent_path, _, name = path.rpartition(".")

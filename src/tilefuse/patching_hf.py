@@ -1,0 +1,228 @@
+"""The Hugging Face parts of tilefuse.patch: attention through transformers' attention-function registry,
+and the Q/K/V projections with RoPE (and QK-norm) through qkv_projection.
+
+Both are switched per model and proven on the whole model: the patched model runs beside the unpatched one
+on a probe batch (random tokens, the first row left-padded, so the padding mask is exercised) and the step
+is kept only if the outputs agree within the dtype's bound; otherwise it is undone and the report says why.
+
+- Attention: ``tilefuse`` is registered with ``AttentionInterface`` (HF's clean hook) and with the mask
+  interface as SDPA's mask builder, so HF hands us SDPA's boolean masks (padding, sliding windows, packed
+  sequences) or ``None`` with causal. A call with dropout in training mode, ``output_attentions`` or a
+  position bias runs HF's own SDPA code for that call: dropout is never silently dropped.
+- QKV: an attention module with ``q_proj``/``k_proj``/``v_proj``/``o_proj`` Linears, ``head_dim``,
+  ``layer_idx`` and a ``forward(hidden_states, position_embeddings, ...)`` (Llama, Mistral, Qwen2, Qwen3 and
+  their relatives) gets an instance ``forward`` that makes q, k, v in head layout with RoPE (and
+  ``q_norm``/``k_norm``) applied in the GEMM epilogue, then continues as HF's does (KV cache, the attention
+  interface, ``o_proj``). The parameters stay where they are; ``unpatch`` deletes the instance forward.
+
+transformers is imported only for models that are transformers models.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+
+from tilefuse.opspec import REL_L2_BOUND
+
+NAME = "tilefuse"
+_STATE = "_tilefuse_hf_state"  # on the patched root: {"attn_implementation": ..., "qkv": [paths]}
+_registered = False
+
+
+def is_hf_model(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return hasattr(model, "set_attn_implementation") and hasattr(config, "_attn_implementation")
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    _registered = True
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """HF's attention-function signature (query/key/value ``[B, H, N, d]``, SDPA's boolean or additive mask)
+    through tilefuse's SDPA; returns (``[B, N, H, d]`` contiguous, None) as HF's SDPA function does."""
+    if dropout > 0.0 or kwargs.get("output_attentions") or kwargs.get("position_bias") is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    from tilefuse.ops.attention import scaled_dot_product_attention
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    if causal and kv_len > q_len:  # as HF's SDPA path: an empty static cache's tail is never attended
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
+                                       enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ---- Q/K/V projections with RoPE and QK-norm in the epilogue ------------------------------------------------
+
+def _norm_weight_eps(norm):
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(eps, (int, float)):
+        return weight, float(eps)
+    return None
+
+
+def qkv_candidate(module) -> str | None:
+    """None when ``module`` is an attention module the fused forward can take over, else why not (or "" when it
+    is not an attention module at all)."""
+    parts = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not all(isinstance(p, torch.nn.Linear) for p in parts):
+        return ""
+    if any(hasattr(p, a) for p in parts for a in ("lora_A", "base_layer")):
+        return "LoRA-wrapped projections are left alone"
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return "its forward's signature cannot be read"
+    if "position_embeddings" not in params or not hasattr(module, "head_dim") or not hasattr(module, "layer_idx"):
+        return "not a rotary attention module (no position_embeddings / head_dim / layer_idx)"
+    for name in ("q_norm", "k_norm"):
+        if getattr(module, name, None) is not None and _norm_weight_eps(getattr(module, name)) is None:
+            return f"its {name} has no 1-D weight and eps"
+    if (getattr(module, "q_norm", None) is None) != (getattr(module, "k_norm", None) is None):
+        return "only one of q_norm / k_norm"
+    return None
+
+
+def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                      **kwargs):
+    """HF's rotary attention forward with q, k, v made by one qkv_projection call per layer (head layout,
+    RoPE and QK-norm in the epilogue) in place of three projections, views, transposes and rotary kernels."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tilefuse.ops.qkv import qkv_projection
+    if position_embeddings is None or hidden_states.dim() != 3:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    d = self.head_dim
+    heads, kv_heads = self.q_proj.out_features // d, self.k_proj.out_features // d
+    biases = (self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)
+    qk_norm = None
+    if getattr(self, "q_norm", None) is not None:
+        (qw, eps), (kw, _) = _norm_weight_eps(self.q_norm), _norm_weight_eps(self.k_norm)
+        qk_norm = (qw, kw, eps)
+    input_shape = hidden_states.shape[:-1]
+    cos, sin = position_embeddings
+    if cos.dim() == 3 and cos.shape[0] == 1 != hidden_states.shape[0]:  # HF's [1, N, d] for shared positions
+        cos, sin = cos[0], sin[0]
+    q, k, v = qkv_projection(hidden_states, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight),
+                             biases if any(b is not None for b in biases) else None, num_heads=heads,
+                             num_kv_heads=kv_heads, rotary=(cos, sin), qk_norm=qk_norm)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+    if interface is None:  # "eager": HF's own eager function for this model class
+        interface = inspect.getmodule(type(self)).eager_attention_forward
+    if getattr(self, "sliding_window", None) is not None:
+        kwargs.setdefault("sliding_window", self.sliding_window)
+    out, weights = interface(self, q, k, v, attention_mask,
+                             dropout=0.0 if not self.training else getattr(self, "attention_dropout", 0.0),
+                             scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+# ---- whole-model verification and the two steps ------------------------------------------------------------
+
+def _probe_output(model):
+    config = model.config
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        raise ValueError("the model's config has no vocab_size to make probe tokens from")
+    g = torch.Generator().manual_seed(0)
+    n = 8
+    ids = torch.randint(0, vocab, (2, n), generator=g)
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[0, :3] = 0  # left padding on the first row
+    p = next(model.parameters())
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids.to(p.device), attention_mask=mask.to(p.device))
+    finally:
+        model.train(was_training)
+    first = out[0] if isinstance(out, (tuple, list)) else next(iter(out.values()))
+    return first.double(), p.dtype
+
+
+def _agrees(model, want) -> tuple[bool, str]:
+    try:
+        got, dtype = _probe_output(model)
+    except Exception as exc:  # noqa: BLE001 - any failure means: undo the step, and say why
+        return False, f"the patched model raised {type(exc).__name__}: {exc}"
+    bound = REL_L2_BOUND.get(dtype, 1e-2)
+    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    if not err <= bound:
+        return False, f"whole-model rel-L2 {err:.2e} against unpatched above the bound {bound:.0e}"
+    return True, f"whole-model rel-L2 {err:.1e} <= {bound:.0e} on a left-padded probe batch"
+
+
+def patch(model, report, *, attention: bool, qkv: bool, verify: bool, reference=None) -> None:
+    """The HF steps on ``model`` (in place), recorded in ``report``; ``reference`` is the unpatched model's
+    probe output when the caller already has it."""
+    state = {"attn_implementation": None, "qkv": []}
+    object.__setattr__(model, _STATE, state)
+    want = None
+    if verify:
+        want = reference if reference is not None else _probe_output(model)[0]
+    if attention:
+        _register()
+        old = model.config._attn_implementation
+        try:
+            model.set_attn_implementation(NAME)
+        except Exception as exc:  # noqa: BLE001
+            report.skipped.append(("attention", f"transformers refused the attention function: {exc}"))
+        else:
+            ok, check = _agrees(model, want) if verify else (True, "not verified")
+            if ok:
+                state["attn_implementation"] = old
+                report.replaced.append(("attention", f"attn_implementation={old!r}", "tilefuse attention", check))
+            else:
+                model.set_attn_implementation(old)
+                report.skipped.append(("attention", check))
+    if qkv:
+        paths = []
+        for path, module in model.named_modules():
+            reason = qkv_candidate(module)
+            if reason is None:
+                module.forward = types.MethodType(fused_qkv_forward, module)
+                paths.append(path)
+            elif reason:
+                report.skipped.append((path, reason))
+        if paths:
+            ok, check = _agrees(model, want) if verify else (True, "not verified")
+            if ok:
+                state["qkv"] = paths
+                for path in paths:
+                    report.replaced.append((path, "q_proj/k_proj/v_proj + RoPE", "qkv_projection", check))
+            else:
+                for path in paths:
+                    del model.get_submodule(path).forward
+                report.skipped.append((f"{len(paths)} attention modules", "qkv_projection: " + check))
+
+
+def unpatch(model, report) -> None:
+    state = getattr(model, _STATE, None)
+    if not state:
+        return
+    if state["attn_implementation"] is not None:
+        model.set_attn_implementation(state["attn_implementation"])
+        report.replaced.append(("attention", "tilefuse attention",
+                                f"attn_implementation={state['attn_implementation']!r}", "restored"))
+    for path in state["qkv"]:
+        del model.get_submodule(path).forward
+        report.replaced.append((path, "qkv_projection", "q_proj/k_proj/v_proj + RoPE", "restored"))
+    object.__delattr__(model, _STATE)

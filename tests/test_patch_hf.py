@@ -1,0 +1,195 @@
+"""tilefuse.patch on Hugging Face models (tiny configs built from their config classes, no downloads): what each
+family gets, outputs against the unpatched model on a left-padded batch, unpatch, state dicts, training,
+dropout, gradient checkpointing."""
+import copy
+import io
+
+import pytest
+import torch
+import transformers
+
+import tilefuse
+from helpers import ON_GPU
+from tilefuse import patching_hf
+from tilefuse.opspec import REL_L2_BOUND
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=64)
+
+
+def _build(family: str, **overrides):
+    t = transformers
+    if family == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(**SMALL, **overrides))
+    if family == "mistral":
+        return t.MistralForCausalLM(t.MistralConfig(**SMALL, sliding_window=4, **overrides))
+    if family == "qwen2":
+        return t.Qwen2ForCausalLM(t.Qwen2Config(**SMALL, **overrides))
+    if family == "qwen3":
+        return t.Qwen3ForCausalLM(t.Qwen3Config(**SMALL, head_dim=16, **overrides))
+    if family == "gpt2":
+        config = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
+        config.update(overrides)
+        return t.GPT2LMHeadModel(t.GPT2Config(**config))
+    assert family == "bert"
+    return t.BertModel(t.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=64, max_position_embeddings=64, **overrides))
+
+
+def _model(family, device, **overrides):
+    torch.manual_seed(0)
+    return _build(family, **overrides).to(device=device, dtype=DTYPE).eval()
+
+
+def _batch(device, n=10):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (3, n), generator=g)
+    mask = torch.ones(3, n, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    mask[2, :1] = 0
+    return ids.to(device), mask.to(device)
+
+
+def _out(model, ids, mask, **kwargs):
+    out = model(input_ids=ids, attention_mask=mask, **kwargs)
+    return out[0]
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+# What each family's report must show replaced (a path suffix, the new class), beyond its norms.
+EXPECTED = {
+    "llama": [("layers.0.mlp", "GatedMLP"), ("attention", "tilefuse attention"),
+              ("layers.1.self_attn", "qkv_projection")],
+    "mistral": [("layers.0.mlp", "GatedMLP"), ("attention", "tilefuse attention"),
+                ("layers.0.self_attn", "qkv_projection")],
+    "qwen2": [("layers.1.mlp", "GatedMLP"), ("attention", "tilefuse attention"),
+              ("layers.0.self_attn", "qkv_projection")],
+    "qwen3": [("layers.0.mlp", "GatedMLP"), ("attention", "tilefuse attention"),
+              ("layers.0.self_attn", "qkv_projection"), ("layers.0.self_attn.q_norm", "RMSNormModule")],
+    "gpt2": [("h.0.mlp.c_fc", "Conv1DLinear"), ("h.0.mlp.act", "Identity"), ("attention", "tilefuse attention"),
+             ("h.1.ln_1", "LayerNorm")],
+    "bert": [("layer.0.intermediate.dense", "Linear"), ("attention", "tilefuse attention"),
+             ("layer.1.output.LayerNorm", "LayerNorm")],
+}
+
+
+@pytest.mark.parametrize("family", list(EXPECTED))
+def test_each_family_is_patched_and_matches_unpatched_on_a_padded_batch(family, device, monkeypatch):
+    model = _model(family, device)
+    original = copy.deepcopy(model)
+    report = tilefuse.patch(model)
+    replaced = {(path, new) for path, _, new, _ in report.replaced}
+    for suffix, new in EXPECTED[family]:
+        assert any(p.endswith(suffix) and n == new for p, n in replaced), (suffix, new, str(report))
+    # The tilefuse attention and (for the rotary families) qkv_projection are what runs now.
+    calls = {"attention": 0, "qkv": 0}
+    from tilefuse.ops import attention as attention_ops, qkv as qkv_ops
+    sdpa, qkv = attention_ops.scaled_dot_product_attention, qkv_ops.qkv_projection
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(attention_ops, "scaled_dot_product_attention", counted("attention", sdpa))
+    monkeypatch.setattr(qkv_ops, "qkv_projection", counted("qkv", qkv))
+    ids, mask = _batch(device)
+    with torch.no_grad():
+        got = _out(model, ids, mask)
+        want = _out(original.double(), ids, mask)
+    assert calls["attention"] == 2
+    assert calls["qkv"] == (2 if family in ("llama", "mistral", "qwen2", "qwen3") else 0)
+    valid = mask.bool()  # padded positions' outputs are not defined the same way by every path
+    assert _rel(got[valid], want[valid]) <= REL_L2_BOUND[DTYPE]
+
+
+def test_unpatch_restores_the_model_exactly_and_state_dicts_are_unchanged(device):
+    model = _model("qwen3", device)
+    before = dict(model.state_dict())
+    modules = dict(model.named_modules())
+    ids, mask = _batch(device)
+    with torch.no_grad():
+        want = _out(model, ids, mask)
+    report = tilefuse.patch(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k].data_ptr() == before[k].data_ptr() for k in before)  # the same tensors, not copies
+    again = tilefuse.patch(model)
+    assert not again.replaced and "already patched" in again.skipped[0][1]
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    fresh = _model("qwen3", device)
+    fresh.load_state_dict(torch.load(buf))
+    with torch.no_grad():
+        assert torch.equal(_out(fresh, ids, mask), want)
+    undone = tilefuse.unpatch(model)
+    assert len(undone.replaced) == len(report.replaced) - sum(1 for *_, c in report.replaced if c.startswith("fused"))
+    assert model.config._attn_implementation == "sdpa"
+    assert all(model.get_submodule(p) is m for p, m in modules.items() if p)
+    assert not any("forward" in vars(m) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(_out(model, ids, mask), want)
+    assert not tilefuse.unpatch(model).replaced
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_model_patched_in_eval_mode_trains_like_the_unpatched_one(device, checkpointing):
+    """Three AdamW steps after model.train(): the losses follow the unpatched model's (fp32: tight)."""
+    torch.manual_seed(0)
+    ref = _model("llama", device)
+    model = copy.deepcopy(ref)
+    tilefuse.patch(model)
+    ids, mask = _batch(device)
+    losses = {}
+    for name, m in (("ref", ref), ("patched", model)):
+        m.train()
+        if checkpointing:
+            m.gradient_checkpointing_enable()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses[name] = []
+        for _ in range(3):
+            loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+    for a, b in zip(losses["patched"], losses["ref"]):
+        assert abs(a - b) <= 10 * REL_L2_BOUND[DTYPE] * abs(b), losses
+
+
+def test_dropout_in_training_runs_as_hf_runs_it(device):
+    """GPT-2's attention dropout (0.1 by default) in training mode: the call runs HF's own SDPA, so the same
+    seed gives the unpatched model's output; in eval mode tilefuse's attention runs."""
+    ref = _model("gpt2", device, attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
+    model = copy.deepcopy(ref)
+    tilefuse.patch(model)
+    ids, mask = _batch(device)
+    outs = []
+    for m in (ref, model):
+        m.train()
+        torch.manual_seed(5)
+        with torch.no_grad():
+            outs.append(_out(m, ids, mask))
+    assert _rel(outs[1], outs[0]) <= REL_L2_BOUND[DTYPE]
+    with torch.no_grad():
+        torch.manual_seed(6)
+        assert not torch.equal(_out(model, ids, mask), outs[1])  # dropout did run: another seed's draw differs
+
+
+def test_attention_forward_falls_back_to_hf_for_dropout_and_attention_weights():
+    q = torch.randn(1, 2, 5, 16)
+    module = torch.nn.Module()
+    module.is_causal = True
+    torch.manual_seed(0)
+    want = transformers.integrations.sdpa_attention.sdpa_attention_forward(module, q, q, q, None, dropout=0.5)[0]
+    torch.manual_seed(0)
+    got = patching_hf.attention_forward(module, q, q, q, None, dropout=0.5)[0]
+    assert torch.equal(got, want)
+    causal = patching_hf.attention_forward(module, q, q, q, None)[0]
+    assert _rel(causal, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2)) < 1e-5
