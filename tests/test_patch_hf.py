@@ -193,3 +193,40 @@ def test_attention_forward_falls_back_to_hf_for_dropout_and_attention_weights():
     assert torch.equal(got, want)
     causal = patching_hf.attention_forward(module, q, q, q, None)[0]
     assert _rel(causal, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2)) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_training_with_labels_takes_the_fused_loss_and_returns_no_logits(family, device, monkeypatch):
+    """Training mode with labels: the loss comes from linear_cross_entropy on the final hidden states (HF's
+    shift, ignore_index and num_items_in_batch), logits are None, and the gradients match the unpatched
+    model's; eval mode, or no labels, returns logits as before."""
+    no_dropout = dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0) if family == "gpt2" else {}
+    ref = _model(family, device, **no_dropout)
+    model = copy.deepcopy(ref)
+    report = tilefuse.patch(model)
+    assert any(p == "lm_head" and n == "linear_cross_entropy" for p, _, n, _ in report.replaced), str(report)
+    from tilefuse.ops import cross_entropy as ce_ops
+    calls = []
+    fused = ce_ops.linear_cross_entropy
+    monkeypatch.setattr(ce_ops, "linear_cross_entropy", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    ids, mask = _batch(device)
+    labels = ids.clone()
+    labels[1, 5:] = -100
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(17)}):
+        outs = []
+        for m in (ref, model):
+            m.train()
+            m.zero_grad()
+            out = m(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+            out.loss.backward()
+            outs.append((out, m.lm_head.weight.grad.clone(), next(iter(m.parameters())).grad.clone()))
+        (want, want_dw, want_demb), (got, got_dw, got_demb) = outs
+        assert got.logits is None and want.logits is not None
+        assert abs(got.loss.item() - want.loss.item()) <= REL_L2_BOUND[DTYPE] * abs(want.loss.item())
+        assert _rel(got_dw, want_dw) <= REL_L2_BOUND[DTYPE]
+        assert _rel(got_demb, want_demb) <= REL_L2_BOUND[DTYPE]
+    assert len(calls) == 2
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is not None and out.loss is not None and len(calls) == 2

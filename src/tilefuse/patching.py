@@ -9,9 +9,9 @@ candidate is built on the original parameters (shared, never copied: state dicts
 ``verify=True``, run beside the original on a small random input; it is kept only if it matches within its
 dtype's bound, otherwise the report says why it was skipped (Gemma's ``1 + weight`` norm, for example,
 fails its check). Plain Linears are left alone: with no epilogue to fuse, cuBLAS is the faster GEMM.
-LoRA-wrapped layers are left alone and reported. On Hugging Face models the attention function and the
-rotary Q/K/V projections are patched too (patching_hf.py), each step proven on the whole model. The
-LM-head loss is not patched yet (the report says so). ``unpatch`` restores the original modules.
+LoRA-wrapped layers are left alone and reported. On Hugging Face models the attention function, the
+rotary Q/K/V projections and the LM-head loss are patched too (patching_hf.py), each step proven on the
+whole model. ``unpatch`` restores the original modules.
 """
 from __future__ import annotations
 
@@ -201,9 +201,7 @@ def patch(model: torch.nn.Module, *, norm: bool = True, mlp: bool = True, qkv: b
         originals[child_path] = child
         report.replaced.append((child_path, type(child).__name__, type(candidate).__name__, check))
     if hf:
-        patching_hf.patch(model, report, attention=attention, qkv=qkv, verify=verify, reference=reference)
-        if loss and hasattr(model, "lm_head"):
-            report.skipped.append(("lm_head", "the LM-head loss through linear_cross_entropy is not patched yet"))
+        patching_hf.patch(model, report, attention=attention, qkv=qkv, loss=loss, verify=verify, reference=reference)
     return report
 
 

@@ -14,6 +14,12 @@ is kept only if the outputs agree within the dtype's bound; otherwise it is undo
   their relatives) gets an instance ``forward`` that makes q, k, v in head layout with RoPE (and
   ``q_norm``/``k_norm``) applied in the GEMM epilogue, then continues as HF's does (KV cache, the attention
   interface, ``o_proj``). The parameters stay where they are; ``unpatch`` deletes the instance forward.
+- Loss: a causal LM with an ``lm_head`` Linear, called in training mode with ``labels``, computes its loss
+  with linear_cross_entropy from the final hidden states (the lm_head's own forward is intercepted for that
+  call, so the [tokens, vocab] logits are never made) and returns ``logits=None``, as Liger's integration
+  does. Labels are shifted, ``shift_labels``, ``ignore_index`` and ``num_items_in_batch`` honoured as HF's
+  ``ForCausalLMLoss`` does, and Gemma 2's ``final_logit_softcapping`` becomes the loss's softcap. In eval
+  mode or without labels the model runs as it always did.
 
 transformers is imported only for models that are transformers models.
 """
@@ -134,7 +140,64 @@ def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_m
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
-# ---- whole-model verification and the two steps ------------------------------------------------------------
+# ---- the LM-head loss without logits -------------------------------------------------------------------------
+
+def loss_candidate(model) -> str | None:
+    """None when the fused loss can take over ``model``'s training forward, else why not ("" when there is
+    no LM head at all)."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear):
+        return "" if head is None else "its lm_head is not a Linear"
+    if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
+        return "a LoRA-wrapped lm_head is left alone"
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return "its forward's signature cannot be read"
+    if "labels" not in params or "logits_to_keep" not in params:
+        return "not a causal LM forward (no labels / logits_to_keep)"
+    return None
+
+
+def _fused_loss_call(model, args, kwargs, labels):
+    """The class's own forward with ``labels=None`` and the lm_head's forward intercepted (it keeps the
+    hidden states and returns an empty tensor), then the loss from those hidden states."""
+    from tilefuse.ops.cross_entropy import linear_cross_entropy
+    head = model.lm_head
+    captured = {}
+
+    def keep_hidden_states(h):
+        captured["h"] = h
+        return h.new_empty(*h.shape[:-1], 0)
+    head.forward = keep_hidden_states
+    try:
+        out = type(model).forward(model, *args, labels=None, **kwargs)
+    finally:
+        del head.forward
+    ignore_index = kwargs.get("ignore_index", -100)
+    shift_labels = kwargs.get("shift_labels")
+    if shift_labels is None:  # tokens < n predict n, as ForCausalLMLoss shifts them
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    h = captured["h"]
+    num_items = kwargs.get("num_items_in_batch")
+    loss = linear_cross_entropy(h, head.weight, shift_labels.to(h.device), head.bias, ignore_index=ignore_index,
+                                reduction="sum" if num_items is not None else "mean",
+                                softcap=getattr(model.config, "final_logit_softcapping", None), check_targets=False)
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    out.loss, out.logits = loss, None
+    return out
+
+
+def fused_loss_forward(self, *args, labels=None, **kwargs):
+    """Training with labels: the loss by linear_cross_entropy and no logits; otherwise the model's forward."""
+    if labels is None or not self.training or kwargs.get("logits_to_keep", 0) != 0 \
+            or kwargs.get("return_dict") is False:
+        return type(self).forward(self, *args, labels=labels, **kwargs)
+    return _fused_loss_call(self, args, kwargs, labels)
+
+
+# ---- whole-model verification and the steps ------------------------------------------------------------
 
 def _probe_output(model):
     config = model.config
@@ -170,10 +233,34 @@ def _agrees(model, want) -> tuple[bool, str]:
     return True, f"whole-model rel-L2 {err:.1e} <= {bound:.0e} on a left-padded probe batch"
 
 
-def patch(model, report, *, attention: bool, qkv: bool, verify: bool, reference=None) -> None:
+def _loss_agrees(model) -> tuple[bool, str]:
+    """The fused loss against the model's own on a probe batch with labels (eval mode: no dropout)."""
+    g = torch.Generator().manual_seed(2)
+    p = next(model.parameters())
+    ids = torch.randint(0, int(model.config.vocab_size), (2, 8), generator=g).to(p.device)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = type(model).forward(model, input_ids=ids, labels=labels).loss.double()
+            got = _fused_loss_call(model, (), {"input_ids": ids}, labels).loss.double()
+    except Exception as exc:  # noqa: BLE001
+        return False, f"the fused loss raised {type(exc).__name__}: {exc}"
+    finally:
+        model.train(was_training)
+    bound = REL_L2_BOUND.get(p.dtype, 1e-2)
+    err = float((got - want).abs() / want.abs().clamp_min(1e-30))
+    if not err <= bound:
+        return False, f"loss rel error {err:.2e} against the model's own above the bound {bound:.0e}"
+    return True, f"loss rel error {err:.1e} <= {bound:.0e} on a probe batch with ignored labels"
+
+
+def patch(model, report, *, attention: bool, qkv: bool, loss: bool, verify: bool, reference=None) -> None:
     """The HF steps on ``model`` (in place), recorded in ``report``; ``reference`` is the unpatched model's
     probe output when the caller already has it."""
-    state = {"attn_implementation": None, "qkv": []}
+    state = {"attn_implementation": None, "qkv": [], "loss": False}
     object.__setattr__(model, _STATE, state)
     want = None
     if verify:
@@ -212,6 +299,19 @@ def patch(model, report, *, attention: bool, qkv: bool, verify: bool, reference=
                 for path in paths:
                     del model.get_submodule(path).forward
                 report.skipped.append((f"{len(paths)} attention modules", "qkv_projection: " + check))
+    if loss:
+        reason = loss_candidate(model)
+        if reason is None:
+            ok, check = _loss_agrees(model) if verify else (True, "not verified")
+            if ok:
+                model.forward = types.MethodType(fused_loss_forward, model)
+                state["loss"] = True
+                report.replaced.append(("lm_head", "lm_head + cross-entropy (training, with labels)",
+                                        "linear_cross_entropy", check))
+            else:
+                report.skipped.append(("lm_head", check))
+        elif reason:
+            report.skipped.append(("lm_head", reason))
 
 
 def unpatch(model, report) -> None:
@@ -225,4 +325,7 @@ def unpatch(model, report) -> None:
     for path in state["qkv"]:
         del model.get_submodule(path).forward
         report.replaced.append((path, "qkv_projection", "q_proj/k_proj/v_proj + RoPE", "restored"))
+    if state["loss"]:
+        del model.forward
+        report.replaced.append(("lm_head", "linear_cross_entropy", "lm_head + cross-entropy", "restored"))
     object.__delattr__(model, _STATE)
