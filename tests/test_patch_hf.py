@@ -230,3 +230,27 @@ def test_training_with_labels_takes_the_fused_loss_and_returns_no_logits(family,
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
     assert out.logits is not None and out.loss is not None and len(calls) == 2
+
+
+def test_packed_sequences_with_flash_offsets_run_as_one_varlen_call(device, monkeypatch):
+    """Two sequences flattened into one row (position ids restart, HF's cu_seq_lens kwargs) give each
+    sequence's own output, through one attention_varlen call per layer."""
+    ref = _model("llama", device)
+    model = copy.deepcopy(ref)
+    tilefuse.patch(model)
+    from tilefuse.ops import attention as attention_ops
+    calls = []
+    varlen = attention_ops.attention_varlen
+    monkeypatch.setattr(attention_ops, "attention_varlen", lambda *a, **k: calls.append(1) or varlen(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 7]
+    seqs = [torch.randint(0, 64, (1, n), generator=g).to(device) for n in lens]
+    ids = torch.cat(seqs, 1)
+    position_ids = torch.cat([torch.arange(n) for n in lens])[None].to(device)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                    max_length_q=7, max_length_k=7).logits
+        want = torch.cat([ref.double()(input_ids=s).logits for s in seqs], 1)
+    assert len(calls) == 2
+    assert _rel(got, want) <= REL_L2_BOUND[DTYPE]

@@ -7,7 +7,9 @@ is kept only if the outputs agree within the dtype's bound; otherwise it is undo
 
 - Attention: ``tilefuse`` is registered with ``AttentionInterface`` (HF's clean hook) and with the mask
   interface as SDPA's mask builder, so HF hands us SDPA's boolean masks (padding, sliding windows, packed
-  sequences) or ``None`` with causal. A call with dropout in training mode, ``output_attentions`` or a
+  sequences) or ``None`` with causal; packed sequences that come with HF's flash-attention offsets
+  (``cu_seq_lens_q``, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives) run as one
+  attention_varlen call. A call with dropout in training mode, ``output_attentions`` or a
   position bias runs HF's own SDPA code for that call: dropout is never silently dropped.
 - QKV: an attention module with ``q_proj``/``k_proj``/``v_proj``/``o_proj`` Linears, ``head_dim``,
   ``layer_idx`` and a ``forward(hidden_states, position_embeddings, ...)`` (Llama, Mistral, Qwen2, Qwen3 and
@@ -61,15 +63,33 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
+        return _packed_attention(query, key, value, cu_q, cu_k, kwargs, bool(causal), scaling)
     from tilefuse.ops.attention import scaled_dot_product_attention
     q_len, kv_len = query.shape[2], key.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and kv_len > q_len:  # as HF's SDPA path: an empty static cache's tail is never attended
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
                                        enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_attention(query, key, value, cu_q, cu_k, kwargs, causal, scaling):
+    """Packed sequences as HF's flattening collator gives them (batch 1, ``cu_seq_lens_q/k`` and
+    ``max_length_q/k``): one attention_varlen call over the [total, H, d] views, each sequence attending only
+    to its own keys (the mask HF made from the restarting position ids says the same, at N^2 cost)."""
+    from tilefuse.ops.attention import attention_varlen
+
+    def longest(name, cu):
+        m = kwargs.get(name)
+        return int(m) if m is not None else int((cu[1:] - cu[:-1]).max())
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, H, d] views of [H, total, d]
+    out = attention_varlen(q, k, v, cu_q, cu_k, longest("max_length_q", cu_q), longest("max_length_k", cu_k),
+                           causal=causal, scale=scaling)
+    return out[None], None
 
 
 # ---- Q/K/V projections with RoPE and QK-norm in the epilogue ------------------------------------------------
