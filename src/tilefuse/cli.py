@@ -67,6 +67,30 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default="bench-mlp-train", help="output folder (default: ./bench-mlp-train)")
     m.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data (default 0)")
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for kind, what, default in (
+            ("prefill", "one forward of B x N tokens (eval, no grad): median ms of each variant and the logits' "
+             "rel-L2 against eager", "llama-7b"),
+            ("train", "AdamW training steps (labels = inputs): tokens/s, peak memory, the loss against eager's "
+             "every 20 steps", "gpt2-small")):
+        k = bsub.add_parser(
+            kind, help=f"Hugging Face models from their configs: {what}",
+            description=f"{what.capitalize()}, for a Hugging Face model built from its config (random weights, "
+            "no downloads, dropout 0): HF eager, tilefuse.patch-ed, torch.compile of the eager model and "
+            "torch.compile over the patched one (mode=\"max-autotune-no-cudagraphs\" on a GPU). bf16 on a GPU; "
+            "without one, a tiny configuration of the same family in the Triton interpreter (times mean nothing "
+            f"there). Writes {kind}.json and a PNG.")
+        k.add_argument("--model", default=None, help=f"one of: llama-7b, llama-1b, gpt2-medium, gpt2-small "
+                       f"(default {default})")
+        k.add_argument("--variants", nargs="+", metavar="NAME", help="a subset of: eager, tilefuse, torch.compile, "
+                       "torch.compile over tilefuse (default: all; '-' may stand for a space)")
+        if kind == "train":
+            k.add_argument("--steps", type=int, default=None, help="steps per variant (default: the model's: "
+                           "200 for GPT-2, 100 for Llama; 3 without a GPU)")
+        else:
+            k.add_argument("--repeats", type=int, default=10, help="timed forwards per variant (default 10)")
+        k.add_argument("--out", default=f"bench-{kind}", help=f"output folder (default: ./bench-{kind})")
+        k.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+        k.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -268,6 +292,39 @@ def cmd_bench_mlp_train(args) -> int:
     return 0
 
 
+def cmd_bench_model(args) -> int:
+    import torch
+
+    _prepare_interpreter()
+    prog = f"tilefuse bench {args.bench}"
+    problem = _preflight_report("the benchmark")
+    if problem is None:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            problem = "the model benchmarks build Hugging Face models: pip install transformers"
+    if problem:
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return 2
+    from tilefuse.harness import mlp_train, model_bench
+
+    try:
+        model_bench.resolve(args.bench, args.model, args.variants, torch.cuda.is_available())
+        result = model_bench.run(args.bench, args.model, args.variants, args.out, args.seed,
+                                 steps=getattr(args, "steps", None), repeats=getattr(args, "repeats", 10),
+                                 progress=not args.no_progress)
+    except mlp_train.BenchArgumentError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    print(model_bench.summary_text(result))
+    print(f"wrote {os.path.join(args.out, model_bench.JSON_NAMES[args.bench])}")
+    failed = [f"{n}: {v['error']}" for n, v in result["variants"].items() if v.get("error")]
+    if failed:
+        print("variants that failed:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "info":
@@ -278,4 +335,6 @@ def main(argv=None) -> int:
         return cmd_tune(args)
     if args.command == "bench" and args.bench == "mlp-train":
         return cmd_bench_mlp_train(args)
+    if args.command == "bench" and args.bench in ("prefill", "train"):
+        return cmd_bench_model(args)
     raise AssertionError(args.command)

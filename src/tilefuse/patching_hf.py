@@ -16,10 +16,10 @@ is kept only if the outputs agree within the dtype's bound; otherwise it is undo
   their relatives) gets an instance ``forward`` that makes q, k, v in head layout with RoPE (and
   ``q_norm``/``k_norm``) applied in the GEMM epilogue, then continues as HF's does (KV cache, the attention
   interface, ``o_proj``). The parameters stay where they are; ``unpatch`` deletes the instance forward.
-- Loss: a causal LM with an ``lm_head`` Linear, called in training mode with ``labels``, computes its loss
-  with linear_cross_entropy from the final hidden states (the lm_head's own forward is intercepted for that
-  call, so the [tokens, vocab] logits are never made) and returns ``logits=None``, as Liger's integration
-  does. Labels are shifted, ``shift_labels``, ``ignore_index`` and ``num_items_in_batch`` honoured as HF's
+- Loss: a causal LM with an ``lm_head`` Linear, called in training mode with ``labels``, runs its base model
+  and computes the loss with linear_cross_entropy from the final hidden states (the [tokens, vocab] logits
+  are never made) and returns ``logits=None``, as Liger's integration does; a model whose forward does more
+  between the base model and the head than Gemma 2's final softcap fails the loss check and is left alone. Labels are shifted, ``shift_labels``, ``ignore_index`` and ``num_items_in_batch`` honoured as HF's
   ``ForCausalLMLoss`` does, and Gemma 2's ``final_logit_softcapping`` becomes the loss's softcap. In eval
   mode or without labels the model runs as it always did.
 
@@ -176,37 +176,35 @@ def loss_candidate(model) -> str | None:
         return "its forward's signature cannot be read"
     if "labels" not in params or "logits_to_keep" not in params:
         return "not a causal LM forward (no labels / logits_to_keep)"
+    if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), torch.nn.Module):
+        return "no base model under its base_model_prefix"
     return None
 
 
 def _fused_loss_call(model, args, kwargs, labels):
-    """The class's own forward with ``labels=None`` and the lm_head's forward intercepted (it keeps the
-    hidden states and returns an empty tensor), then the loss from those hidden states."""
+    """The base model (``model.<base_model_prefix>``) on the same inputs, then the loss from its final hidden
+    states: the [tokens, vocab] logits are never made. No module is mutated, so torch.compile traces it."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
     from tilefuse.ops.cross_entropy import linear_cross_entropy
     head = model.lm_head
-    captured = {}
-
-    def keep_hidden_states(h):
-        captured["h"] = h
-        return h.new_empty(*h.shape[:-1], 0)
-    head.forward = keep_hidden_states
-    try:
-        out = type(model).forward(model, *args, labels=None, **kwargs)
-    finally:
-        del head.forward
+    base = getattr(model, model.base_model_prefix)
+    outputs = base(*args, **{k: v for k, v in kwargs.items()
+                             if k not in ("shift_labels", "ignore_index", "logits_to_keep", "return_dict")})
+    h = outputs[0]
     ignore_index = kwargs.get("ignore_index", -100)
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is None:  # tokens < n predict n, as ForCausalLMLoss shifts them
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    h = captured["h"]
     num_items = kwargs.get("num_items_in_batch")
     loss = linear_cross_entropy(h, head.weight, shift_labels.to(h.device), head.bias, ignore_index=ignore_index,
                                 reduction="sum" if num_items is not None else "mean",
                                 softcap=getattr(model.config, "final_logit_softcapping", None), check_targets=False)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    out.loss, out.logits = loss, None
-    return out
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
+                                  hidden_states=getattr(outputs, "hidden_states", None),
+                                  attentions=getattr(outputs, "attentions", None))
 
 
 def fused_loss_forward(self, *args, labels=None, **kwargs):

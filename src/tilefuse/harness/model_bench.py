@@ -1,0 +1,317 @@
+"""``tilefuse bench prefill`` and ``tilefuse bench train``: Hugging Face models built from their configs (random
+weights, no downloads, dropout 0), four ways in one run: HF eager, ``tilefuse.patch``-ed, torch.compile of the
+eager model, and torch.compile over the patched one.
+
+- prefill: one forward of B sequences of N tokens in eval mode without grad; the median of ``repeats``
+  forwards between CUDA events after a warm-up; logits rel-L2 against eager's (fp32 norms of the bf16 logits).
+- train: AdamW (lr 1e-4) on the model's bf16 parameters, labels = the inputs (HF shifts them), a fixed seeded
+  batch per step index (the same data in every variant); tokens/s over the steps after the warm-up, peak memory
+  (``torch.cuda.max_memory_allocated`` after the warm-up), the loss curve, and the loss against eager's at steps
+  20, 40, ... (within 1% asked).
+Models: Llama-7B shape (32 layers, hidden 4096, MLP 11008, 32 heads), GPT-2-medium shape (n_positions 2048),
+Llama-1B shape (16 layers, hidden 2048, MLP 8192, GQA 32/8, vocab 128256, untied) and GPT-2-small shape; on a
+CPU each becomes a tiny configuration of the same family (the kernels run in the Triton interpreter: the
+numbers are real, the times are not). ``patch`` itself is timed in each patched variant (``patch_s``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tilefuse.harness.mlp_train import (BenchArgumentError, _dtype_name, _dynamo_counts, _failure, _release,
+                                        _sync)
+
+VARIANTS = ("eager", "tilefuse", "torch.compile", "torch.compile over tilefuse")
+GPU_COMPILE_MODE = "max-autotune-no-cudagraphs"
+LR = 1e-4
+LOSS_RTOL = 0.01
+LOSS_CHECK_EVERY = 20
+
+# name -> (family, GPU config, prefill (batch, tokens), train (batch, seq, steps)); TINY holds the CPU configs
+MODELS = {
+    "llama-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                               max_position_embeddings=4096),
+                 (1, 2048), (1, 2048, 100)),
+    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               max_position_embeddings=4096, tie_word_embeddings=False),
+                 (1, 2048), (4, 2048, 100)),
+    "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16, n_positions=2048, vocab_size=50257),
+                    (1, 2048), (8, 1024, 200)),
+    "gpt2-small": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257),
+                   (1, 1024), (8, 1024, 200)),
+}
+TINY = {"llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64, max_position_embeddings=64),
+        "gpt2": dict(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=64)}
+TINY_PREFILL, TINY_TRAIN = (1, 16), (2, 16, 3)
+JSON_NAMES = {"prefill": "prefill.json", "train": "train.json"}
+PNG_NAMES = {"prefill": "prefill.png", "train": "train_loss.png"}
+
+
+def build_model(name: str, on_gpu: bool, seed: int):
+    """The named model from its config (eval mode, dropout 0), seeded, in bf16 on the GPU (fp32 on a CPU)."""
+    import transformers
+
+    family, config, *_ = MODELS[name]
+    config = dict(config if on_gpu else TINY[family])
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**config, attention_dropout=0.0)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPT2Config(**config, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0)
+        cls = transformers.GPT2LMHeadModel
+    cfg._attn_implementation = "sdpa"
+    device = torch.device("cuda" if on_gpu else "cpu")
+    with torch.random.fork_rng(devices=[device] if on_gpu else []):
+        torch.manual_seed(seed)
+        with device:
+            model = cls(cfg).to(torch.bfloat16 if on_gpu else torch.float32)
+    return model.eval()
+
+
+def _variant_model(variant, name, on_gpu, seed, compile_mode):
+    """(callable, the module underneath, seconds patch took) for one variant, built afresh from the seed."""
+    from tilefuse.patching import patch
+    model = build_model(name, on_gpu, seed)
+    patch_s = None
+    if "tilefuse" in variant:
+        t0 = time.perf_counter()
+        report = patch(model)
+        patch_s = time.perf_counter() - t0
+        if not report.replaced:
+            raise RuntimeError(f"tilefuse.patch replaced nothing: {report}")
+    if variant.startswith("torch.compile"):
+        kwargs = {"dynamic": False}
+        if compile_mode:
+            kwargs["mode"] = compile_mode
+        return torch.compile(model, **kwargs), model, patch_s
+    return model, model, patch_s
+
+
+def _tokens(vocab, batch, n, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, n), generator=g).to(device)
+
+
+def _prefill(variant, name, batch, n, repeats, seed, on_gpu, compile_mode, reference):
+    fwd, model, patch_s = _variant_model(variant, name, on_gpu, seed, compile_mode)
+    device = next(model.parameters()).device
+    ids = _tokens(model.config.vocab_size, batch, n, seed + 1, device)
+    with torch.no_grad():
+        logits = fwd(input_ids=ids).logits  # warm-up: compiles, tunes
+        logits = fwd(input_ids=ids).logits
+        _sync(device)
+        times = []
+        for _ in range(repeats):
+            if on_gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fwd(input_ids=ids)
+                end.record()
+                torch.cuda.synchronize(device)
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fwd(input_ids=ids)
+                times.append(1e3 * (time.perf_counter() - t0))
+    times.sort()
+    out = logits.float().cpu()
+    entry = {"ms": times[len(times) // 2], "patch_s": patch_s, "error": None,
+             "rel_l2_vs_eager": None if reference is None else float((out - reference).norm() / reference.norm())}
+    return entry, out
+
+
+def _train(variant, name, batch, seq, steps, warmup, seed, on_gpu, compile_mode, advance):
+    fwd, model, patch_s = _variant_model(variant, name, on_gpu, seed, compile_mode)
+    model.train()
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = torch.empty(steps, device=device, dtype=torch.float32)
+    data = [_tokens(model.config.vocab_size, batch, seq, seed + 10 + i, device) for i in range(min(steps, 8))]
+
+    def step(i):
+        ids = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses[i] = loss.detach().float()
+        advance()
+
+    graphs_before = _dynamo_counts()
+    for i in range(warmup):
+        step(i)
+    _sync(device)
+    graphs_after = _dynamo_counts()
+    peak = None
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(warmup, steps):
+            step(i)
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = start.elapsed_time(end) / 1e3
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        t0 = time.perf_counter()
+        for i in range(warmup, steps):
+            step(i)
+        seconds = time.perf_counter() - t0
+    curve = losses.tolist()
+    return {"tokens_per_s": batch * seq * (steps - warmup) / seconds, "step_ms": 1e3 * seconds / (steps - warmup),
+            "peak_memory_bytes": peak, "loss_curve": curve, "final_loss": curve[-1], "patch_s": patch_s,
+            "compiled_graphs": graphs_after[0] - graphs_before[0] if fwd is not model else None,
+            "graph_breaks": graphs_after[1] - graphs_before[1] if fwd is not model else None, "error": None}
+
+
+def resolve(kind: str, model: str | None, variants, on_gpu: bool):
+    """(model name, variants in canonical order); raises BenchArgumentError before any work."""
+    from tilefuse.harness.mlp_train import variant_name
+    default = {"prefill": "llama-7b", "train": "gpt2-small"}[kind]
+    model = model or default
+    if model not in MODELS:
+        raise BenchArgumentError(f"--model: unknown model {model!r}; known: {', '.join(MODELS)}")
+    if variants is not None and not variants:
+        raise BenchArgumentError(f"--variants: name at least one of {', '.join(VARIANTS)}")
+    chosen = {variant_name(v) for v in (variants or VARIANTS)}
+    return model, [v for v in VARIANTS if v in chosen]
+
+
+def run(kind: str, model: str | None = None, variants=None, out_dir: str = "bench", seed: int = 0,
+        steps: int | None = None, repeats: int = 10, progress: bool = True) -> dict:
+    """Run the prefill or train benchmark over the chosen variants; writes JSON and a PNG into ``out_dir``."""
+    from rich.progress import Progress
+
+    from tilefuse.harness.report import _quiet_interpreter_math, environment
+    on_gpu = torch.cuda.is_available()
+    name, chosen = resolve(kind, model, variants, on_gpu)
+    _, _, prefill_shape, train_shape = MODELS[name]
+    compile_mode = GPU_COMPILE_MODE if on_gpu else None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    result = {"benchmark": kind, "model": name, "device": env["device"], "path": env["path"], "environment": env,
+              "dtype": _dtype_name(torch.bfloat16 if on_gpu else torch.float32), "seed": seed,
+              "compile": {"mode": compile_mode or "default", "dynamic": False}, "variants": {}}
+    if kind == "prefill":
+        batch, n = prefill_shape if on_gpu else TINY_PREFILL
+        result.update(batch=batch, tokens=n, repeats=repeats)
+        total = len(chosen)
+    else:
+        batch, seq, default_steps = train_shape if on_gpu else TINY_TRAIN
+        steps = steps or default_steps
+        if steps < 2:
+            raise BenchArgumentError(f"--steps must be an integer >= 2, got {steps!r}")
+        warmup = min(10, steps // 2)
+        result.update(batch=batch, seq=seq, steps=steps, warmup_steps=warmup, lr=LR)
+        total = steps * len(chosen)
+    reference = None
+    with Progress(disable=not progress, transient=True) as bar, _quiet_interpreter_math():
+        task = bar.add_task(kind, total=total)
+        for variant in chosen:
+            bar.update(task, description=f"{kind} {name}: {variant}")
+            try:
+                if kind == "prefill":
+                    entry, logits = _prefill(variant, name, batch, n, repeats, seed, on_gpu, compile_mode, reference)
+                    if variant == "eager":
+                        reference = logits
+                    bar.advance(task)
+                else:
+                    entry = _train(variant, name, batch, seq, steps, warmup, seed, on_gpu, compile_mode,
+                                   lambda: bar.advance(task))
+            except Exception as exc:  # noqa: BLE001 - recorded, never hidden
+                entry = _failure(exc)
+            result["variants"][variant] = entry
+            if variant.startswith("torch.compile"):
+                torch._dynamo.reset()
+            _release(torch.device("cuda" if on_gpu else "cpu"))
+            _ratios(result, kind)
+            (out / JSON_NAMES[kind]).write_text(json.dumps(result, indent=1, default=str))
+    result["plot"] = _plot(result, kind, out / PNG_NAMES[kind])
+    (out / JSON_NAMES[kind]).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def _ratios(result, kind):
+    vs = result["variants"]
+    ok = {n: v for n, v in vs.items() if v.get("error") is None}
+    if kind == "prefill":
+        for v in ok.values():
+            v["speedup_vs_eager"] = ok["eager"]["ms"] / v["ms"] if "eager" in ok else None
+            v["speedup_vs_torch_compile"] = ok["torch.compile"]["ms"] / v["ms"] if "torch.compile" in ok else None
+        return
+    eager = ok.get("eager")
+    for v in ok.values():
+        v["vs_eager"] = v["tokens_per_s"] / eager["tokens_per_s"] if eager else None
+        v["vs_torch_compile"] = (v["tokens_per_s"] / ok["torch.compile"]["tokens_per_s"]
+                                 if "torch.compile" in ok else None)
+        checks = {}
+        if eager:
+            for i in range(LOSS_CHECK_EVERY - 1, len(v["loss_curve"]), LOSS_CHECK_EVERY):
+                a, b = v["loss_curve"][i], eager["loss_curve"][i]
+                checks[i + 1] = abs(a - b) / abs(b) if b and math.isfinite(a) else math.inf
+        v["loss_rel_diff_vs_eager_at_steps"] = checks
+        v["loss_within_1pct_at_checked_steps"] = all(r <= LOSS_RTOL for r in checks.values()) if checks else None
+
+
+def _plot(result, kind, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tilefuse.harness.mlp_train import LINESTYLES
+    ok = {n: v for n, v in result["variants"].items() if v.get("error") is None}
+    fig, ax = plt.subplots(figsize=(7, 3.6), layout="constrained")
+    if kind == "prefill":
+        names = list(ok)
+        ax.barh(names, [ok[n]["ms"] for n in names], color=[LINESTYLES[n][0] for n in names])
+        ax.set_xlabel("ms per forward (median)")
+        ax.set_title(f"prefill {result['model']}: B={result['batch']} N={result['tokens']}, {result['dtype']} · "
+                     f"{result['device']}", fontsize=9)
+    else:
+        for n, v in ok.items():
+            color, style = LINESTYLES[n]
+            ax.plot(range(1, len(v["loss_curve"]) + 1), v["loss_curve"], style, color=color, label=n)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=7)
+        ax.set_title(f"train {result['model']}: batch {result['batch']} x seq {result['seq']}, {result['dtype']} · "
+                     f"{result['device']}", fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def summary_text(result) -> str:
+    kind = result["benchmark"]
+    lines = [f"{kind} {result['model']} on {result['device']} ({result['path']}), {result['dtype']}, "
+             f"torch.compile mode {result['compile']['mode']}"]
+    for n, v in result["variants"].items():
+        if v.get("error"):
+            lines.append(f"  {n}: failed: {v['error']}")
+        elif kind == "prefill":
+            lines.append(f"  {n}: {v['ms']:.3f} ms, x eager {_f(v.get('speedup_vs_eager'))}, x compile "
+                         f"{_f(v.get('speedup_vs_torch_compile'))}, logits rel-L2 vs eager {_f(v['rel_l2_vs_eager'], '.1e')}"
+                         + (f", patch {v['patch_s']:.2f} s" if v["patch_s"] is not None else ""))
+        else:
+            peak = v["peak_memory_bytes"]
+            lines.append(f"  {n}: {v['tokens_per_s']:,.0f} tokens/s, x eager {_f(v.get('vs_eager'))}, x compile "
+                         f"{_f(v.get('vs_torch_compile'))}, peak {'–' if peak is None else f'{peak / 2**20:,.0f} MiB'}, "
+                         f"final loss {v['final_loss']:.5g}, loss within 1% at every 20th step: "
+                         f"{v.get('loss_within_1pct_at_checked_steps')}")
+    if result["path"] != "compiled":
+        lines.append("(no GPU: the kernels ran in the Triton interpreter; the times mean nothing)")
+    return "\n".join(lines)
+
+
+def _f(v, spec=".3f"):
+    return "–" if v is None else format(v, spec)
