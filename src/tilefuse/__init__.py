@@ -14,6 +14,7 @@ from tilefuse.ops.softmax import softmax
 from tilefuse.ops.cross_entropy import linear_cross_entropy
 from tilefuse.ops.qkv import qkv_projection
 from tilefuse import nn
+from tilefuse import distributed
 from tilefuse.patching import PatchReport, patch, unpatch
 
 # The one place the version is written: pyproject.toml reads it from here (dynamic = ["version"]).
@@ -21,4 +22,4 @@ __version__ = "0.1.0"
 
 __all__ = ["linear", "attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func", "layer_norm", "rms_norm", "layer_norm_linear",
-           "softmax", "linear_cross_entropy", "qkv_projection", "nn", "patch", "unpatch", "PatchReport", "__version__"]
+           "softmax", "linear_cross_entropy", "qkv_projection", "nn", "distributed", "patch", "unpatch", "PatchReport", "__version__"]

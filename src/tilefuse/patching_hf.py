@@ -124,6 +124,28 @@ def qkv_candidate(module) -> str | None:
     return None
 
 
+def _local_rows(t, name):
+    """A projection's weight or bias as this rank's rows: itself, or a column-parallel DTensor's local shard."""
+    from tilefuse.ops._dtensor import any_dtensor
+    if not any_dtensor(t):
+        return t
+    from torch.distributed.tensor import Shard
+    if t.device_mesh.ndim != 1 or t.placements[0] != Shard(0):
+        raise ValueError(f"{name}: the fused QKV projection takes column-parallel (Shard(0)) projections, got "
+                         f"{t.placements}")
+    return t.to_local()
+
+
+def _replicated(t, name):
+    from tilefuse.ops._dtensor import any_dtensor
+    if not any_dtensor(t):
+        return t
+    from torch.distributed.tensor import Replicate
+    if any(p != Replicate() for p in t.placements):
+        raise ValueError(f"{name}: the QK-norm weight must be replicated, got {t.placements}")
+    return t.to_local()
+
+
 def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                       **kwargs):
     """HF's rotary attention forward with q, k, v made by one qkv_projection call per layer (head layout,
@@ -134,19 +156,23 @@ def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_m
     if position_embeddings is None or hidden_states.dim() != 3:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     d = self.head_dim
-    heads, kv_heads = self.q_proj.out_features // d, self.k_proj.out_features // d
-    biases = (self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)
+    # Under tensor parallelism (tilefuse.distributed.tensor_parallel_plan) the projections are column-parallel
+    # DTensors: each rank makes its own whole heads from its local rows, and o_proj (row-parallel) sums.
+    weights = tuple(_local_rows(p.weight, name) for p, name in ((self.q_proj, "q_proj.weight"),
+                    (self.k_proj, "k_proj.weight"), (self.v_proj, "v_proj.weight")))
+    heads, kv_heads = weights[0].shape[0] // d, weights[1].shape[0] // d
+    biases = tuple(None if p.bias is None else _local_rows(p.bias, name) for p, name in (
+        (self.q_proj, "q_proj.bias"), (self.k_proj, "k_proj.bias"), (self.v_proj, "v_proj.bias")))
     qk_norm = None
     if getattr(self, "q_norm", None) is not None:
         (qw, eps), (kw, _) = _norm_weight_eps(self.q_norm), _norm_weight_eps(self.k_norm)
-        qk_norm = (qw, kw, eps)
+        qk_norm = (_replicated(qw, "q_norm.weight"), _replicated(kw, "k_norm.weight"), eps)
     input_shape = hidden_states.shape[:-1]
     cos, sin = position_embeddings
     if cos.dim() == 3 and cos.shape[0] == 1 != hidden_states.shape[0]:  # HF's [1, N, d] for shared positions
         cos, sin = cos[0], sin[0]
-    q, k, v = qkv_projection(hidden_states, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight),
-                             biases if any(b is not None for b in biases) else None, num_heads=heads,
-                             num_kv_heads=kv_heads, rotary=(cos, sin), qk_norm=qk_norm)
+    q, k, v = qkv_projection(hidden_states, weights, biases if any(b is not None for b in biases) else None,
+                             num_heads=heads, num_kv_heads=kv_heads, rotary=(cos, sin), qk_norm=qk_norm)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)

@@ -96,7 +96,7 @@ class GatedMLP(torch.nn.Module):
         gate, up = self.gate_proj, self.up_proj
         bias = None if gate.bias is None else (gate.bias, up.bias)
         h = linear(x, (gate.weight, up.weight), bias, activation=_GATED[self.activation])
-        return linear(h, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(h)  # a plain GEMM (cuBLAS), through the module so its hooks (tensor parallel) run
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

@@ -13,7 +13,7 @@ import torch
 
 from tilefuse import reference, runtime
 from tilefuse.constants import ACTIVATIONS, GATED_ACTIVATIONS
-from tilefuse.ops import _dispatch
+from tilefuse.ops import _dispatch, _dtensor
 from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, dense, grad_needed
 
 
@@ -301,6 +301,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
     """
     if activation is not None and activation not in ACTIVATIONS + GATED_ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS + GATED_ACTIVATIONS}, got {activation!r}")
+    if _dtensor.any_dtensor(x, weight, bias):  # tensor parallelism: the local shards (ops/_dtensor.py)
+        return _dtensor.linear(x, weight, bias, activation, linear)
     if activation in GATED_ACTIVATIONS:
         w_gate, w_up, b_gate, b_up = _split_gated(weight, bias, activation)
         cast = _dispatch.autocast_dtype(x) if isinstance(x, torch.Tensor) else None

@@ -18,7 +18,7 @@ import torch
 
 from tilefuse import runtime
 from tilefuse.constants import ACTIVATIONS
-from tilefuse.ops import _dispatch
+from tilefuse.ops import _dispatch, _dtensor
 from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, dense, grad_needed
 from tilefuse.ops.linear import check_linear_args
 from tilefuse import reference as reference_gemm
@@ -271,6 +271,9 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
     (deterministic). CPU tensors run the kernel under ``TRITON_INTERPRET=1``, else the PyTorch
     reference. See the module doc for which layouts are copied.
     """
+    if _dtensor.any_dtensor(x, weight, bias, residual):
+        return _dtensor.rows(x, (weight, bias, residual), lambda x, w, b, r: layer_norm(
+            x, normalized_shape, w, b, eps, residual=r))
     return _norm(x, normalized_shape, weight, bias, eps, residual, is_rms=False)
 
 
@@ -281,6 +284,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
 
     ``residual`` as in :func:`layer_norm`: returns ``(y, h)`` with ``h = x + residual``.
     """
+    if _dtensor.any_dtensor(x, weight, residual):
+        return _dtensor.rows(x, (weight, residual), lambda x, w, r: rms_norm(x, normalized_shape, w, eps, residual=r))
     return _norm(x, normalized_shape, weight, None, eps, residual, is_rms=True)
 
 
