@@ -93,20 +93,24 @@ def _anchors(params):
 
 
 def _bytes(params):
-    """fused: x, W (and b) read, dx and dW written, plus the fp32 accumulators of the backward; eager writes
-    the fp32 logits, reads them for the softmax and its gradient, and writes and reads that gradient."""
+    """fused: x, W (and b) read, dx and dW written; the backward's vocabulary chunks (each [T, VC] written by
+    its GEMM, read and rewritten as dz, read by the dW and dx GEMMs: 5 passes over T x V in all) and the fp32
+    dx accumulator read and written once per chunk. Eager writes the fp32 logits, reads them for the softmax
+    and its gradient, and writes and reads that gradient."""
+    from tilefuse.kernels.gemm.launch import lce_vocab_chunk
     M, K, V = params["shape"]
     s = params["dtype"].itemsize
     operands = (2 * M * K + 2 * V * K) * s
-    fused = operands + (M * K + V * K) * 4 * 2
+    chunks = -(-V // lce_vocab_chunk(M, V, s))
+    fused = operands + 5 * M * V * s + 2 * M * K * 4 * chunks
     logits = 4 * M * V * 4
     return {"fused": fused, "unfused": max(fused, operands + logits)}
 
 
 LINEAR_CROSS_ENTROPY = OpSpec(
     name="linear_cross_entropy",
-    summary=("cross_entropy(x @ W^T + b, target), forward + backward, logits only in on-chip tiles: online lse "
-             "over vocabulary slices, logit tiles recomputed in the backward"),
+    summary=("cross_entropy(x @ W^T + b, target), forward + backward, no [tokens, V] tensor: online lse over "
+             "vocabulary slices, the backward over vocabulary chunks (logits recomputed, dz in place, dW and dx GEMMs)"),
     fused=_fused,
     reference=_reference,
     make_inputs=make_inputs,

@@ -1,18 +1,20 @@
-"""The LM head without logits: ``cross_entropy(x @ W^T + b, target)`` with the [tokens, V] logits kept in
-on-chip tiles, forward and backward.
+"""The LM head without logits: ``cross_entropy(x @ W^T + b, target)`` with the [tokens, V] logits never
+materialised, forward and backward.
 
 Forward (``lce_forward_kernel``): a program per (token block, vocabulary slice) streams the slice's W tiles
 through a tiled GEMM and folds each logit tile into a running max / sum of exponentials (the online
 softmax), the target's logit and the logits' sum (for label smoothing); the slices' partials are merged on
-the host side of the launch layer (4 floats per token and slice). Backward (``lce_backward_kernel``): a
-program per (token block, vocabulary tile) recomputes its logit tile, makes
-``dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V))`` (times 1 - tanh^2 under the
-softcap) and adds ``dz @ W`` into dx and ``dz^T @ x`` into dW (and the column sums into db) with fp32
-atomics, K tile by K tile: no [tokens, V] tensor exists in any dtype.
+the host side of the launch layer (4 floats per token and slice).
+Backward (launch.py), over vocabulary chunks of a few thousand entries: the chunk's logits [T, VC] are
+recomputed by one GEMM, turned into ``dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V))``
+(times 1 - tanh^2 under the softcap) in place by ``lce_logit_grad_kernel``, then ``dW[chunk] = dz^T @ x``
+(complete: the whole token reduction in one GEMM) and ``dx += dz @ W[chunk]`` (fp32). The chunk is the only
+[T, *] buffer: no [T, V] tensor exists in any dtype, and there are no atomics, so the gradients are
+deterministic.
 HBM bytes (element size s, T tokens): eager writes the logits and reads them back at least twice (softmax,
 its gradient) and writes their gradient: >= 4 * T * V * s beyond the GEMMs' operands; fused: the GEMM
-operands (x read per vocabulary slice, W per token block, from L2 where they fit), 16 bytes per token and
-slice, and the fp32 gradient accumulators (dx T*K*4, dW V*K*4).
+operands, 16 bytes per token and slice in the forward, and in the backward each chunk written and read
+three times (T * V * s * 3 in all) plus the fp32 dx accumulator.
 Rows whose target is ``ignore_index`` contribute nothing; a target outside [0, V) gets a NaN loss (the
 launch layer) and no gradient, and is never used as an address.
 """
@@ -92,55 +94,32 @@ def lce_forward_kernel(
 
 
 @triton.jit
-def lce_backward_kernel(
-    x_ptr, w_ptr, b_ptr, target_ptr, lse_ptr, dloss_ptr,  # dloss: fp32 [M], 0 on rows with no gradient
-    dx_ptr, dw_ptr, db_ptr,                               # fp32 accumulators [M, K], [V, K], [V] (zeroed)
-    M, V, K,
-    stride_xm, stride_wv, softcap, smoothing,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+def lce_logit_grad_kernel(
+    z_ptr,                       # [M, VC] logits of one vocabulary chunk (bias added), overwritten with dz
+    target_ptr, lse_ptr, dloss_ptr,  # per row: target (int), lse fp32, dloss fp32 (0 on rows with no gradient)
+    M, VC, V, v0, stride_zm, softcap, smoothing,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    """dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V)) (times 1 - tanh^2 under the
+    softcap) for a [BLOCK_M, BLOCK_V] tile of a chunk whose columns are vocabulary entries v0 + j, in place."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_m = offs_m < M
-    mask_v = offs_v < V
+    mask = mask_m[:, None] & (offs_v < VC)[None, :]
     offs_m64 = offs_m.to(tl.int64)
-    z, t = _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
-                       HAS_BIAS, HAS_SOFTCAP, INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_V, BLOCK_K)
+    ptrs = z_ptr + offs_m64[:, None] * stride_zm + offs_v[None, :]
+    z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + offs_m64, mask=mask_m, other=0.0)
     dloss = tl.load(dloss_ptr + offs_m64, mask=mask_m, other=0.0)
     target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
-    p = tl.exp(z - lse[:, None])  # 0 on columns past V (z = -inf)
-    onehot = tl.where(offs_v.to(tl.int64)[None, :] == target[:, None], 1.0, 0.0)
-    dz = (1.0 - smoothing) * (p - onehot) + smoothing * (p - 1.0 / V)
-    dz = tl.where(mask_v[None, :] & mask_m[:, None], dz * dloss[:, None], 0.0)
+    t = z
+    if HAS_SOFTCAP:
+        t = tanh(z / softcap)
+        z = softcap * t
+    p = tl.exp(z - lse[:, None])
+    onehot = tl.where((v0 + offs_v).to(tl.int64)[None, :] == target[:, None], 1.0, 0.0)
+    dz = ((1.0 - smoothing) * (p - onehot) + smoothing * (p - 1.0 / V)) * dloss[:, None]
+    dz = tl.where(dloss[:, None] != 0.0, dz, 0.0)  # rows with no gradient stay 0 even where p is NaN
     if HAS_SOFTCAP:
         dz = dz * (1.0 - t * t)
-    if NEED_DB:
-        tl.atomic_add(db_ptr + offs_v, tl.sum(dz, 0), mask=mask_v)
-    dz_op = dz.to(x_ptr.dtype.element_ty)
-    if UPCAST_DOT:
-        dz_op = dz_op.to(tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        mask_k = ks < K
-        if NEED_DX:
-            w = tl.load(w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv + ks[None, :],
-                        mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
-            if UPCAST_DOT:
-                w = w.to(tl.float32)
-            tl.atomic_add(dx_ptr + offs_m64[:, None] * K + ks[None, :],
-                          tl.dot(dz_op, w, input_precision=INPUT_PRECISION),
-                          mask=mask_m[:, None] & mask_k[None, :])
-        if NEED_DW:
-            x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + ks[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                        other=0.0)  # [BLOCK_M, BLOCK_K]
-            if UPCAST_DOT:
-                x = x.to(tl.float32)
-            tl.atomic_add(dw_ptr + offs_v.to(tl.int64)[:, None] * K + ks[None, :],
-                          tl.dot(tl.trans(dz_op), x, input_precision=INPUT_PRECISION),
-                          mask=mask_v[:, None] & mask_k[None, :])
+    tl.store(ptrs, dz.to(z_ptr.dtype.element_ty), mask=mask)

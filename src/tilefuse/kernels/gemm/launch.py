@@ -515,27 +515,47 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
     return loss, lse
 
 
+LCE_CHUNK_BYTES = 128 * 2**20  # the backward's one [T, VC] logits chunk
+LCE_GRAD_TILE = dict(BLOCK_M=32, BLOCK_V=128)
+
+
+def lce_vocab_chunk(M: int, V: int, element_size: int) -> int:
+    """Vocabulary entries per backward chunk: the chunk [M, VC] within LCE_CHUNK_BYTES, a multiple of 128."""
+    vc = LCE_CHUNK_BYTES // max(1, M * element_size)
+    return max(128, min(V, vc // 128 * 128 or 128))
+
+
 def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: float, softcap, need_dx, need_dw,
                                   need_db, path):
     """(dx [M, K] in x's dtype, dW [V, K] in w's, db [V] in b's; empty where not asked) from dloss fp32 [M]
-    (0 on rows that get no gradient), recomputing each logit tile; fp32 atomics accumulate."""
-    from tilefuse.kernels.gemm.cross_entropy import lce_backward_kernel
+    (0 on rows that get no gradient), one vocabulary chunk at a time: the chunk's logits recomputed by a GEMM,
+    made into dz in place (cross_entropy.py), then dW's rows of the chunk (one GEMM over all tokens) and dx
+    (accumulated in fp32 over the chunks). No atomics: deterministic."""
+    from tilefuse.kernels.gemm.cross_entropy import lce_logit_grad_kernel
 
     M, K = x2d.shape
     V = w.shape[0]
-    tile = _lce_tile(path)
+    vc = lce_vocab_chunk(M, V, x2d.element_size())
+    tile = LCE_GRAD_TILE
     dx = torch.zeros((M, K) if need_dx else (0,), dtype=torch.float32, device=x2d.device)
-    dw = torch.zeros((V, K) if need_dw else (0,), dtype=torch.float32, device=x2d.device)
-    db = torch.zeros((V,) if need_db else (0,), dtype=torch.float32, device=x2d.device)
-    fastpath.launch(lce_backward_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(V, tile["BLOCK_V"])), (
-        x2d, w, b if b is not None else w, target, lse, dloss, dx if need_dx else lse, dw if need_dw else lse,
-        db if need_db else lse, M, V, K, x2d.stride(0), w.stride(0), float(softcap or 0.0), float(smoothing)),
-        dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, NEED_DX=need_dx, NEED_DW=need_dw,
-             NEED_DB=need_db, INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
-             UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
-    launches.record("linear_cross_entropy_backward", path, "logit tiles recomputed, fp32 atomics",
-                    lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
-    return (dx.to(x2d.dtype) if need_dx else dx, dw.to(w.dtype) if need_dw else dw,
+    dw = torch.empty((V, K) if need_dw else (0,), dtype=w.dtype, device=x2d.device)
+    db = torch.empty((V,) if need_db else (0,), dtype=torch.float32, device=x2d.device)
+    for v0 in range(0, V, vc):
+        w_c = w[v0:v0 + vc]
+        z = torch.mm(x2d, w_c.t()) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c.t())
+        n = z.shape[1]
+        fastpath.launch(lce_logit_grad_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(n, tile["BLOCK_V"])), (
+            z, target, lse, dloss, M, n, V, v0, z.stride(0), float(softcap or 0.0), float(smoothing)),
+            dict(HAS_SOFTCAP=softcap is not None, **tile))
+        if need_dw:
+            torch.mm(z.t(), x2d, out=dw[v0:v0 + n])
+        if need_dx:
+            dx += torch.mm(z, w_c)
+        if need_db:
+            db[v0:v0 + n] = z.sum(0, dtype=torch.float32)
+    launches.record("linear_cross_entropy_backward", path, f"{cdiv(V, vc)} vocabulary chunks of {vc}: logits "
+                    "recomputed (GEMM), dz in place, dW and dx GEMMs", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
+    return (dx.to(x2d.dtype) if need_dx else dx, dw,
             db.to(b.dtype) if need_db and b is not None else db)
 
 
