@@ -1,0 +1,82 @@
+"""Issue targets for the fused LM-head loss: forward + backward time and peak memory of tilefuse's
+linear_cross_entropy beside eager (F.linear + F.cross_entropy on fp32 logits), torch.compile of the eager pair
+and Liger-Kernel's LigerFusedLinearCrossEntropyLoss (when its wheel is installed), side by side in one run.
+
+Shapes: the Llama-3 head (8192 tokens, K 4096, V 128256) and GPT-2's (8192, 768, 50257), bf16, every 7th
+target ignore_index. Time: triton.testing.do_bench median of one forward + backward (loss.backward(); the
+leaves' .grad reset between calls). Memory: peak of one step above what is allocated before it (x, W, their
+gradients' buffers from a previous step, the targets) -- the issue's "peak above the inputs, weight and its
+gradient". Loss rel error against float64 on the same inputs. Writes JSON.
+
+    python3 benchmarks/cross_entropy_head.py --out cross_entropy_head.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"llama3": (8192, 4096, 128256), "gpt2": (8192, 768, 50257)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    args = p.parse_args()
+    import triton.testing
+
+    import tilefuse
+
+    def eager(x, w, t):
+        return F.cross_entropy(F.linear(x, w).float(), t)
+    compiled = torch.compile(eager, dynamic=False)
+    variants = {"tilefuse": lambda x, w, t: tilefuse.linear_cross_entropy(x, w, t, check_targets=False),
+                "eager": eager, "torch.compile": compiled}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss()
+        variants["liger"] = lambda x, w, t: liger(w, x, t)
+    except ImportError as exc:
+        print("liger-kernel not installed:", exc)
+    rows = []
+    for name in args.shapes:
+        M, K, V = SHAPES[name]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        w = (torch.randn(V, K, device="cuda", dtype=torch.bfloat16, generator=g) * K ** -0.5).requires_grad_()
+        t = torch.randint(0, V, (M,), device="cuda", generator=g)
+        t[::7] = -100
+        with torch.no_grad():
+            want = F.cross_entropy(F.linear(x.double(), w.double()), t).item()
+        for vname, fn in variants.items():
+            def step():
+                x.grad = w.grad = None
+                fn(x, w, t).backward()
+            try:
+                step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - before
+                with torch.no_grad():
+                    loss = fn(x, w, t).item()
+                ms = triton.testing.do_bench(step)
+                row = dict(shape=name, variant=vname, ms=ms, peak_above_inputs_bytes=peak,
+                           loss_rel_err_vs_fp64=abs(loss - want) / abs(want))
+            except Exception as exc:  # noqa: BLE001 - recorded
+                row = dict(shape=name, variant=vname, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(dict(rows=rows, device=torch.cuda.get_device_name()), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
