@@ -164,7 +164,7 @@ def norm_jobs():
                             eps=1e-5, M_BUCKET=m_bucket(m))
                 flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=res, HAS_WEIGHT=True, HAS_BIAS=not is_rms, STORE_Y=True,
                              SINGLE_PASS=single, BLOCK_N=bn)
-                kept = nm._prune_fwd(nm._fwd_configs(), {"M": m}, BLOCK_N=bn, SINGLE_PASS=single)
+                kept = nm._prune_fwd(nm._fwd_configs(), {"M": m, "N": n}, **flags)
                 per_sm = {}  # PROGRAMS_PER_SM sizes the grid only: one compile per (BLOCK_M, warps)
                 for c in kept:
                     per_sm.setdefault((c.kwargs["BLOCK_M"], c.num_warps), []).append(c.kwargs["PROGRAMS_PER_SM"])
