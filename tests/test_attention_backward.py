@@ -203,3 +203,60 @@ def test_bad_modifiers_are_refused(device, kwargs, exc, match):
         kwargs["alibi_slopes"] = torch.ones(2, device=device, requires_grad=True)
     with pytest.raises(exc, match=match):
         tilefuse.attention(q, q, q, **kwargs)
+
+
+def _alibi_rows_before_the_keys(device, nq=600, nk=64, d=16):
+    """fp32 q [1, 2, nq, d], k/v [1, 2, nk, d], dout, dlse and slopes (2, 1): with nq > nk and bottom-right
+    alignment the first nq - nk rows sit at p < 0, where ALiBi's -slope * |p - j| holds a row constant of up to
+    -2 * 536 (-1547 in the kernels' log2 domain)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(*s, generator=g).to(device) for s in ((1, 2, nq, d), (1, 2, nk, d), (1, 2, nk, d),
+                                                                      (1, 2, nq, d)))
+    dl = torch.randn(1, 2, nq, generator=g).to(device)
+    return q, k, v, do, dl, torch.tensor([2.0, 1.0], device=device)
+
+
+@pytest.mark.parametrize("path", ["kernels"] if ON_GPU else ["kernels", "reference"])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_alibi_rows_far_before_the_keys_keep_fp32_precision(device, monkeypatch, path, softcap):
+    """fp32, Nq > Nk, full attention with ALiBi: the op measures ALiBi from each row's nearest key, so that
+    row constant (which the softmax ignores) never enters the scores or the saved lse. Carried in fp32, its
+    rounding (an ulp of 1.2e-4 at 1072 or 1547) dominated exp(s - lse): the gradients' rel-L2 here was
+    1.5e-5 to 2.1e-5 in the interpreter and 1.1e-5 to 1.5e-5 on the plain-PyTorch path, and is below 5e-7
+    with ALiBi measured from the nearest key."""
+    if path == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, do, _, slopes = _alibi_rows_before_the_keys(device)
+    leaves = _leaves(q, k, v)
+    out = tilefuse.attention(*leaves, softcap=softcap, alibi_slopes=slopes)
+    out.backward(do)
+    fn = lambda q, k, v: ref_attention.attention(q, k, v, softcap=softcap, alibi_slopes=slopes.double())  # noqa: E731
+    bound = REL_L2_BOUND[torch.float32]
+    assert_close(out, fn(*(t.double() for t in (q, k, v))), bound, "out")
+    for got, exp, name in zip(leaves, _grads64(fn, (q, k, v), (do,)), "qkv"):
+        assert_close(got.grad, exp, bound, f"d{name}")
+
+
+@pytest.mark.parametrize("path", ["kernels"] if ON_GPU else ["kernels", "reference"])
+def test_alibi_lse_returned_is_the_true_one(device, monkeypatch, path):
+    """return_lse with ALiBi and Nq > Nk: the user gets the true lse (the op's, measured from the nearest key,
+    minus slope * that key's distance), in fp32 against float64, with and without grad; dlse reaches the
+    gradients through that conversion."""
+    if path == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, do, dl, slopes = _alibi_rows_before_the_keys(device)
+    fn = lambda q, k, v: ref_attention.attention(q, k, v, softcap=5.0, alibi_slopes=slopes.double(),  # noqa: E731
+                                                 return_lse=True)
+    want_out, want_lse = fn(*(t.double() for t in (q, k, v)))
+    bound = REL_L2_BOUND[torch.float32]
+    with torch.no_grad():
+        out, lse = tilefuse.attention(q, k, v, softcap=5.0, alibi_slopes=slopes, return_lse=True)
+    assert_close(out, want_out, bound, "out (no grad)")
+    assert_close(lse, want_lse, bound, "lse (no grad)")
+    assert lse.min() < -500  # the rows before the keys: the true lse carries ALiBi's row constant
+    leaves = _leaves(q, k, v)
+    out, lse = tilefuse.attention(*leaves, softcap=5.0, alibi_slopes=slopes, return_lse=True)
+    assert_close(lse, want_lse, bound, "lse")
+    torch.autograd.backward([out, lse], [do, dl])
+    for got, exp, name in zip(leaves, _grads64(fn, (q, k, v), (do, dl)), "qkv"):
+        assert_close(got.grad, exp, bound, f"d{name}")

@@ -123,3 +123,45 @@ def test_bad_offsets_without_validation_stay_inside_the_tensors(device):
     assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
     assert all(torch.equal(a.detach(), b) for a, b in zip(leaves, (q, k, v)))
     assert torch.equal(cq, offsets[0]) and torch.equal(ck, offsets[1])
+
+
+def test_alibi_lse_of_sequences_with_more_queries_than_keys(device):
+    """ALiBi with return_lse over sequences with more queries than keys (rows before their keys, p < 0, whose
+    true lse carries -slope * |p|), fewer, as many, none, and queries without keys: the op measures ALiBi from
+    each row's nearest key and the lse handed out is converted per packed row from its own sequence's
+    position (on the device). fp32 out, lse and gradients (through out and lse) against float64."""
+    lens_q, lens_k = [70, 0, 9, 5, 33, 1], [6, 4, 9, 0, 40, 1]
+    hq, hkv, d = 4, 2, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(device)
+    k, v = (torch.randn(sum(lens_k), hkv, d, generator=g).to(device) for _ in range(2))
+    dout, dlse = torch.randn(q.shape, generator=g).to(device), torch.randn(hq, q.shape[0], generator=g).to(device)
+    slopes = torch.rand(len(lens_q), hq, generator=g).to(device) * 2  # per sequence: [B, Hq]
+    cq, ck = _offsets(lens_q, torch.int32, device), _offsets(lens_k, torch.int64, device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = tilefuse.attention_varlen(*leaves, cq, ck, max(lens_q), max(lens_k), alibi_slopes=slopes,
+                                         return_lse=True)
+    torch.autograd.backward([out, lse], [dout, dlse])
+
+    want_out = torch.zeros(q.shape, dtype=torch.float64)
+    want_lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float64)
+    want_grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    oq, ok = cq.tolist(), ck.tolist()
+    for i in range(len(lens_q)):
+        rq, rk = slice(oq[i], oq[i + 1]), slice(ok[i], ok[i + 1])
+        if lens_q[i] == 0 or lens_k[i] == 0:
+            continue  # out 0, lse -inf, no gradient
+        qi, ki, vi = (t[r].detach().cpu().double().permute(1, 0, 2)[None].requires_grad_()
+                      for t, r in ((q, rq), (k, rk), (v, rk)))
+        o, l = ref_attention.attention(qi, ki, vi, alibi_slopes=slopes[i].cpu().double(), return_lse=True)
+        torch.autograd.backward([o, l], [dout[rq].cpu().double().permute(1, 0, 2)[None],
+                                         dlse[:, rq].cpu().double()[None]])
+        want_out[rq], want_lse[:, rq] = o[0].permute(1, 0, 2).detach(), l[0].detach()
+        for gsum, t, r in zip(want_grads, (qi, ki, vi), (rq, rk, rk)):
+            gsum[r] = t.grad[0].permute(1, 0, 2)
+    bound = REL_L2_BOUND[torch.float32]
+    assert want_lse.min() < -100  # the first sequence's rows before its keys
+    assert_close(out, want_out, bound, "out")
+    assert_close(lse, want_lse, bound, "lse")
+    for got, want, name in zip(leaves, want_grads, "qkv"):
+        assert_close(got.grad, want, bound, f"d{name}")

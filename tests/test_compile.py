@@ -99,6 +99,21 @@ CASES = {
                          lambda q, k, v, cq, ck: tilefuse.attention_varlen(q, k, v, cq, ck, q.shape[0], k.shape[0],
                                                                            causal=True, validate=False),
                          ("attention",)),
+    # ALiBi with the lse returned, more queries than keys (rows before the keys: the lse handed out is
+    # converted from the op's, measured from the nearest key), and flash_attn_func's [B, N, H, d] output.
+    "attention_flash_api_alibi_lse": (
+        lambda n, d, g: (_randn(g, 2, n, 4, D, device=d), _randn(g, 2, n // 2 + 3, 2, D, device=d),
+                         _randn(g, 2, n // 2 + 3, 2, D, device=d)),
+        lambda q, k, v: tilefuse.flash_attn_func(q, k, v, alibi_slopes=torch.linspace(0.5, 2.0, 4, device=q.device),
+                                                 return_attn_probs=True)[:2], ("attention",)),
+    "attention_varlen_alibi_lse": (
+        lambda n, d, g: (_randn(g, n, 4, D, device=d), _randn(g, n // 2 + 5, 2, D, device=d),
+                         _randn(g, n // 2 + 5, 2, D, device=d),
+                         torch.tensor([0, n // 2, n], dtype=torch.int32, device=d),
+                         torch.tensor([0, 5, n // 2 + 5], dtype=torch.int32, device=d)),
+        lambda q, k, v, cq, ck: tilefuse.attention_varlen(
+            q, k, v, cq, ck, q.shape[0], k.shape[0], alibi_slopes=torch.linspace(0.5, 2.0, 4, device=q.device),
+            return_lse=True, validate=False), ("attention",)),
     "softmax_last": (lambda n, d, g: (_x(n, d, g),), lambda x: tilefuse.softmax(x, dim=-1), ("softmax",)),
     "softmax_dim0": (lambda n, d, g: (_x(n, d, g),), lambda x: tilefuse.softmax(x, dim=0), ("softmax",)),
     "attention_causal_gqa": (lambda n, d, g: _qkv(n, d, g, 4, 2),
@@ -110,7 +125,8 @@ CASES = {
 FORWARD_CASES = [c for c in CASES if c != "rms_norm_residual"]
 GRAD_CASES = ["linear_gelu_bias", "swiglu_pair", "layer_norm", "layer_norm_residual", "rms_norm", "rms_norm_residual",
               "layer_norm_linear_layer", "layer_norm_linear_rms", "softmax_last", "softmax_dim0", "attention_causal_gqa",
-              "sdpa_bool_mask", "qkv_rope_norm", "attention_varlen"]
+              "sdpa_bool_mask", "qkv_rope_norm", "attention_varlen", "attention_flash_api_alibi_lse",
+              "attention_varlen_alibi_lse"]
 
 
 def _sizes(case):

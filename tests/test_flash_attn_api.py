@@ -64,6 +64,32 @@ def test_flash_attn_func_matches_flash_attention_semantics(device, causal, windo
     want, want_lse = fa_reference(q.cpu(), k.cpu(), v.cpu(), causal=causal, window_size=window_size,
                                   softcap=softcap, alibi_slopes=None if slopes is None else slopes.cpu())
     assert out.shape == (B, Nq, Hq, d) and lse.shape == (B, Hq, Nq) and probs is None
+    assert out.is_contiguous(), f"out must be contiguous [B, Nq, Hq, d] as FlashAttention's, strides {out.stride()}"
+    assert_close(out, want, BOUND, "out")
+    assert_close(lse, want_lse, 1e-5 if DTYPE == torch.float32 else 1e-3, "softmax_lse")
+    # The kernel writes FlashAttention's layout directly: the same values as tilefuse.attention's
+    # [B, Hq, Nq, d] output, seen transposed (what flash_attn_func returned before).
+    window = None if window_size == (-1, -1) else window_size
+    prev, prev_lse = tilefuse.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                                        window=window, softcap=softcap or None, alibi_slopes=slopes, return_lse=True)
+    assert torch.equal(out, prev.transpose(1, 2)) and torch.equal(lse, prev_lse)
+    plain = tilefuse.flash_attn_func(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                                     alibi_slopes=slopes)
+    assert plain.is_contiguous() and torch.equal(plain, out)
+
+
+@pytest.mark.parametrize("slopes_shape", [(4,), (2, 4)])
+def test_softmax_lse_with_alibi_and_more_queries_than_keys(device, slopes_shape):
+    """Rows before the keys (Nq > Nk: p < 0) carry ALiBi's -slope * |p| in their softmax_lse, which tilefuse's
+    op leaves out of its scores (measuring from the nearest key) and adds back for the caller."""
+    B, Nq, Nk, Hq, d = 2, 90, 20, 4, 16
+    q, k, v = _r(B, Nq, Hq, d, seed=0, device=device), _r(B, Nk, Hq, d, seed=1, device=device), \
+        _r(B, Nk, Hq, d, seed=2, device=device)
+    slopes = (torch.rand(*slopes_shape, generator=torch.Generator().manual_seed(3)) + 0.5).to(device)
+    out, lse, _ = tilefuse.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True)
+    want, want_lse = fa_reference(q.cpu(), k.cpu(), v.cpu(), alibi_slopes=slopes.cpu())
+    assert want_lse.min() < -30
+    assert out.is_contiguous()
     assert_close(out, want, BOUND, "out")
     assert_close(lse, want_lse, 1e-5 if DTYPE == torch.float32 else 1e-3, "softmax_lse")
 
@@ -72,7 +98,9 @@ def test_gradients_and_packed_forms(device):
     B, N, H, d = 2, 40, 2, 16
     qkv = _r(B, N, 3, H, d, seed=0, device=device).requires_grad_()
     do = _r(B, N, H, d, seed=1, device=device)
-    tilefuse.flash_attn_qkvpacked_func(qkv, causal=True).backward(do)
+    out = tilefuse.flash_attn_qkvpacked_func(qkv, causal=True)
+    assert out.shape == (B, N, H, d) and out.is_contiguous()
+    out.backward(do)
     ref = qkv.detach().double().cpu().requires_grad_()
     q, k, v = ref[:, :, 0], ref[:, :, 1], ref[:, :, 2]
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * d ** -0.5
@@ -85,6 +113,16 @@ def test_gradients_and_packed_forms(device):
     packed = tilefuse.flash_attn_kvpacked_func(q2, kv, causal=True)
     plain = tilefuse.flash_attn_func(q2, kv[:, :, 0], kv[:, :, 1], causal=True)
     assert torch.equal(packed, plain)
+    assert packed.is_contiguous() and plain.is_contiguous()
+    assert torch.equal(out.detach(), tilefuse.attention(*(t.transpose(1, 2) for t in qkv.detach().unbind(2)),
+                                                        causal=True).transpose(1, 2))
+
+    # Gradients come back in the inputs' layout: contiguous [B, N, H, d] inputs get contiguous ones.
+    leaves = [t.clone().requires_grad_() for t in qkv.detach().unbind(2)]
+    tilefuse.flash_attn_func(*leaves, causal=True).backward(do)
+    for t, name in zip(leaves, "qkv"):
+        assert t.grad.is_contiguous(), f"d{name} strides {t.grad.stride()}"
+        assert_close(t.grad, ref.grad[:, :, "qkv".index(name)], BOUND, f"d{name} (unpacked)")
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

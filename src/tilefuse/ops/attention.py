@@ -46,12 +46,14 @@ def _check_scale(scale):
         raise ValueError(f"scale must be None or a finite number, got {scale!r}")
 
 
-def _empty_outputs(q, return_lse, varlen=False):
-    """(out, lse): out [B, Hq, Nq, d] contiguous, or for packed sequences (q viewed [1, Hq, total, d]) laid
-    out [total, Hq, d] as the packed input is; lse [B, Hq, Nq] fp32 (varlen: [1, Hq, total]) or empty."""
+def _empty_outputs(q, return_lse, out_bnhd=False):
+    """(out, lse): out [B, Hq, Nq, d] contiguous, or with ``out_bnhd`` laid out [B, Nq, Hq, d] (FlashAttention's
+    layout; packed sequences, q viewed [1, Hq, total, d], so get [total, Hq, d] as the packed input is) and
+    returned as its [B, Hq, Nq, d] view; lse [B, Hq, Nq] fp32 (varlen: [1, Hq, total]) or empty. The launch
+    layer (launch._forward) allocates the same layouts, which the fake implementation states."""
     B, Hq, Nq, d = q.shape
-    if varlen:
-        out = torch.empty((Nq, Hq, d), dtype=q.dtype, device=q.device).permute(1, 0, 2)[None]
+    if out_bnhd:
+        out = torch.empty((B, Nq, Hq, d), dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
     else:
         out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
@@ -66,26 +68,32 @@ def _per_sequence(cu_q, cu_k):
 
 def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap=None,
                     alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                    kernel="auto"):
+                    out_bnhd=False, kernel="auto"):
     """(out, lse) for 4-D q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], mask None or a view of
     [B, Hq, Nq, Nk], alibi None or fp32 slopes viewed as [B, Hq]; lse is an empty tensor without
     ``return_lse``. Packed sequences (``cu_seqlens_q`` given): q/k/v viewed [1, H, total, d], each sequence
-    bottom-right aligned on its own, alibi [sequences, Hq]. ``kernel`` forces a kernel of the launch layer
-    (its ``KERNELS``); the registered op always takes "auto"."""
+    bottom-right aligned on its own, alibi [sequences, Hq]. ``out_bnhd``: out laid out [B, Nq, Hq, d] (as
+    packed sequences always are; see ``_empty_outputs``). ``kernel`` forces a kernel of the launch layer
+    (its ``KERNELS``); the registered op always takes "auto".
+
+    With ALiBi the lse is the op's own: ALiBi measured from each row's nearest key (the kernels'
+    ``score_modifiers``), i.e. the true lse plus ``slope * dmin(p)``; the backward reads it as it is, and
+    the public functions hand users the true one (``_user_lse``)."""
     path = runtime.execution_path(q)
     Nq, Nk = q.shape[2], k.shape[2]
     varlen = cu_seqlens_q is not None
+    out_bnhd = out_bnhd or varlen
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     pos_offset = Nk - Nq if bottom_right else 0
     if q.numel() == 0 or Nk == 0:  # no key at all: every row sees nothing -> 0, lse -inf
         _dispatch.record_reference("attention", path)
-        out, lse = _empty_outputs(q, return_lse, varlen)
+        out, lse = _empty_outputs(q, return_lse, out_bnhd)
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
     if path == runtime.REFERENCE:
         _dispatch.record_reference("attention", path)
-        out, lse = _empty_outputs(q, return_lse, varlen)
+        out, lse = _empty_outputs(q, return_lse, out_bnhd)
         pieces = _per_sequence(cu_seqlens_q, cu_seqlens_k) if varlen else [(slice(None), slice(None))]
         for i, (rq, rk) in enumerate(pieces):
             qi, ki, vi = q[:, :, rq], k[:, :, rk], v[:, :, rk]
@@ -99,7 +107,7 @@ def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_righ
             offset = ki.shape[2] - qi.shape[2] if (bottom_right or varlen) else 0
             ai = alibi[i:i + 1] if varlen and alibi is not None else alibi
             ref, ref_lse = ref_attention.attend(qi, ki, vi, mask, scale, offset, window_left, window_right, softcap,
-                                                ai)
+                                                ai, alibi_from_nearest=True)
             out[:, :, rq] = ref
             if return_lse:
                 lse[:, :, rq] = ref_lse
@@ -109,7 +117,8 @@ def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_righ
     with _dispatch.on_device(q):
         return launch.forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path,
                               kernel=kernel, softcap=softcap, alibi=alibi,
-                              varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) if varlen else None)
+                              varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) if varlen else None,
+                              out_bnhd=out_bnhd)
 
 
 @torch.library.custom_op("tilefuse::attention", mutates_args=())
@@ -117,15 +126,19 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
                   scale: Optional[float], bottom_right: bool, window_left: int, window_right: int,
                   return_lse: bool, softcap: Optional[float] = None, alibi: Optional[torch.Tensor] = None,
                   cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                  out_bnhd: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward behind tilefuse.attention, attention_varlen and the flash_attn functions (arguments as
+    ``_attention_impl``). Its lse, with ALiBi, is the row-shifted one the backward needs: the public
+    functions convert it (``_user_lse``)."""
     return _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi,
-                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out_bnhd)
 
 
 @_attention_op.register_fake
 def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap=None, alibi=None,
-      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
-    return _empty_outputs(q, return_lse, cu_seqlens_q is not None)
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, out_bnhd=False):
+    return _empty_outputs(q, return_lse, out_bnhd or cu_seqlens_q is not None)
 
 
 def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right,
@@ -139,8 +152,10 @@ def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_
     if path == runtime.REFERENCE or q.numel() == 0 or k.numel() == 0:
         _dispatch.record_reference("attention_backward", path)
         if not varlen:
-            return ref_attention.attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
-                                                 window_right, softcap, alibi)
+            grads = ref_attention.attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
+                                                  window_right, softcap, alibi, alibi_from_nearest=True)
+            # in the inputs' layouts, as the kernels write them and the fake implementation says
+            return tuple(torch.empty_like(t).copy_(g) for t, g in zip((q, k, v), grads))
         dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
         for i, (rq, rk) in enumerate(_per_sequence(cu_seqlens_q, cu_seqlens_k)):
             if q[:, :, rq].shape[2] == 0 or k[:, :, rk].shape[2] == 0:
@@ -148,7 +163,8 @@ def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_
             parts = ref_attention.attend_backward(
                 dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq], lse[:, :, rq],
                 None if dlse is None else dlse[:, :, rq], None, scale, k[:, :, rk].shape[2] - q[:, :, rq].shape[2],
-                window_left, window_right, softcap, None if alibi is None else alibi[i:i + 1])
+                window_left, window_right, softcap, None if alibi is None else alibi[i:i + 1],
+                alibi_from_nearest=True)
             dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = parts
         return dq, dk, dv
     runtime.check_triton()
@@ -180,7 +196,7 @@ def _(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, win
 
 def _setup_attention(ctx, inputs, output):
     (q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi, cu_q, cu_k, max_q,
-     max_k) = (*inputs, *(None, None, None, None, 0, 0)[len(inputs) - 9:])
+     max_k, _) = (*inputs, *(None, None, None, None, 0, 0, False)[len(inputs) - 9:])
     out, lse = output
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, mask, out, lse, alibi, cu_q, cu_k)
@@ -221,16 +237,49 @@ def _check_trainable(name, q, heads, mask=None):
                                   f"{MAX_GRID_Y_BACKWARD} (the grid's second axis)")
 
 
-def _run(q, k, v, mask, scale, bottom_right, left, right, return_lse, name, softcap=None, alibi=None):
+def _run(q, k, v, mask, scale, bottom_right, left, right, return_lse, name, softcap=None, alibi=None,
+         out_bnhd=False):
     """The forward, through the op with its autograd when a gradient is needed (keeping the lse the
-    backward reads), else directly when the call is plain eager."""
+    backward reads), else directly when the call is plain eager. The lse is the op's (see ``_user_lse``)."""
+    args = (q, k, v, mask, scale, bottom_right, left, right)
+    modifiers = (softcap, alibi, None, None, 0, 0, out_bnhd)
     if grad_needed(q, k, v):
         _check_trainable(name, q, q.shape[0] * q.shape[1], mask)
-        return _attention_op(q, k, v, mask, scale, bottom_right, left, right, True, softcap, alibi)
+        return _attention_op(*args, True, *modifiers)
     _check_trainable(name, q, 0, mask)
     if _dispatch.direct(q, k, v, mask, alibi):
-        return _attention_impl(q, k, v, mask, scale, bottom_right, left, right, return_lse, softcap, alibi)
-    return _attention_op(q, k, v, mask, scale, bottom_right, left, right, return_lse, softcap, alibi)
+        return _attention_impl(*args, return_lse, *modifiers)
+    return _attention_op(*args, return_lse, *modifiers)
+
+
+def _user_lse(lse, alibi, n_k, pos_offset, cu_seqlens_q=None, cu_seqlens_k=None):
+    """The true lse, from the op's ``lse`` ([B, Hq, Nq] over ``n_k`` keys; packed sequences: [1, Hq, total_q],
+    ``n_k`` and ``pos_offset`` unused) for ALiBi slopes ``alibi`` ([B, Hq]; packed: [sequences, Hq]) or None
+    (then ``lse`` as it is).
+
+    The op measures ALiBi from each row's nearest key, so its lse is the true one plus ``slope * dmin(p)``,
+    dmin(p) = max(0, -p) + max(0, p - (Nk - 1)) for the row's key position p (``pos_offset`` + its row;
+    packed: within its own sequence, bottom-right aligned). A few device ops (no host synchronisation),
+    differentiable (a constant shift: the lse's gradient reaches the op's lse unchanged); -inf rows stay
+    -inf. Only this conversion rounds the large constant, once, in the value handed out."""
+    if alibi is None:
+        return lse
+    n_q = lse.shape[-1]
+    if cu_seqlens_q is None:
+        pos = torch.arange(n_q, device=lse.device) + pos_offset
+        shift = alibi[..., None] * ref_attention.alibi_row_shift(pos, n_k).to(lse.dtype)
+        return lse - shift
+    seqs = cu_seqlens_q.shape[0] - 1
+    if seqs < 1 or n_q == 0:
+        return lse
+    rows = torch.arange(n_q, device=lse.device, dtype=cu_seqlens_q.dtype)
+    # each packed row's sequence: the last offset at or before it (clamped, as the kernels clamp offsets)
+    seq = (torch.searchsorted(cu_seqlens_q, rows, right=True) - 1).clamp(0, seqs - 1)
+    q0, n_q_seq = cu_seqlens_q[seq], cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]
+    n_k_seq = cu_seqlens_k[seq + 1] - cu_seqlens_k[seq]
+    pos = rows - q0 + n_k_seq - n_q_seq
+    shift = alibi[seq].transpose(0, 1) * ref_attention.alibi_row_shift(pos, n_k_seq).to(lse.dtype)  # [Hq, total]
+    return lse - shift[None]
 
 
 _dispatch.register_autocast(_attention_op, (0, 1, 2, 3))  # q, k, v and a float mask: as torch's SDPA
@@ -257,6 +306,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     aligned position, FlashAttention's convention) after the cap; both compose with causal, windows and
     GQA, forward and backward (the slopes get no gradient). Registered as ``torch.ops.tilefuse.attention``.
     """
+    return _attention(q, k, v, causal, window, scale, return_lse, deterministic, softcap, alibi_slopes)
+
+
+def _attention(q, k, v, causal, window, scale, return_lse, deterministic, softcap, alibi_slopes, out_bnhd=False):
+    """:func:`attention`; ``out_bnhd``: out laid out [B, Nq, Hq, d] (FlashAttention's layout, written there by
+    the kernel) and returned as its [B, Hq, Nq, d] view."""
     cast = _dispatch.autocast_dtype(q) if isinstance(q, torch.Tensor) else None
     if cast is not None:  # as torch's SDPA under autocast
         q, k, v = _dispatch.cast_floats(cast, q, k, v)
@@ -279,8 +334,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if causal:
         right = 0
     scale = None if scale is None else float(scale)
-    out, lse = _run(q, k, v, None, scale, True, left, right, return_lse, "attention", softcap, alibi)
-    return (out, lse) if return_lse else out
+    out, lse = _run(q, k, v, None, scale, True, left, right, return_lse, "attention", softcap, alibi, out_bnhd)
+    return (out, _user_lse(lse, alibi, k.shape[2], k.shape[2] - q.shape[2])) if return_lse else out
 
 
 def _check_modifiers(q, softcap, alibi_slopes):
@@ -294,7 +349,10 @@ def _check_modifiers(q, softcap, alibi_slopes):
         raise TypeError(f"alibi_slopes has dtype {alibi_slopes.dtype}; expected float32")
     check_same_device("alibi_slopes", alibi_slopes, "q", q)
     B, Hq = q.shape[0], q.shape[1]
-    if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+    shape = tuple(alibi_slopes.shape)
+    # ==, not `in`: under torch.compile(dynamic=True) Dynamo evaluated `shape in (...)` as False when the
+    # tuples held symbolic sizes
+    if not (shape == (Hq,) or shape == (B, Hq)):
         raise ValueError(f"alibi_slopes must have shape [{Hq}] or [{B}, {Hq}] (q's [Hq] or [B, Hq]), got "
                          f"{list(alibi_slopes.shape)}")
     if alibi_slopes.requires_grad and torch.is_grad_enabled():
@@ -413,20 +471,22 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     """``flash_attn.flash_attn_func`` on tilefuse's kernels: q ``[B, Nq, Hq, d]``, k/v ``[B, Nk, Hkv, d]``
     (FlashAttention 2's layout, read in place through strides: no copies), bottom-right aligned causal,
     ``window_size=(left, right)`` with -1 unbounded, ``softcap`` 0 for none, ``alibi_slopes`` fp32 ``[Hq]`` or
-    ``[B, Hq]``. Returns out ``[B, Nq, Hq, d]`` (a view of tilefuse's ``[B, Hq, Nq, d]`` output; FlashAttention's
-    own is contiguous), or with ``return_attn_probs`` ``(out, softmax_lse [B, Hq, Nq], None)``. Forward and
-    backward; dropout raises ``NotImplementedError``."""
+    ``[B, Hq]``. Returns out ``[B, Nq, Hq, d]``, contiguous as FlashAttention's (the kernel writes that layout
+    directly), or with ``return_attn_probs`` ``(out, softmax_lse [B, Hq, Nq], None)``. Forward and backward
+    (dq, dk, dv in the inputs' layouts where those are dense, so contiguous inputs get contiguous
+    gradients); dropout raises ``NotImplementedError``."""
     _fa_check(dropout_p, window_size, softcap)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [B, N, H, d] (FlashAttention's layout), got shape {tuple(t.shape)}")
     window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
-    out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, window=window,
-                         scale=softmax_scale, return_lse=True, deterministic=deterministic,
-                         softcap=softcap or None, alibi_slopes=alibi_slopes)
-    out = out.transpose(1, 2)
-    return (out, lse, None) if return_attn_probs else out
+    res = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, window, softmax_scale,
+                     return_attn_probs, deterministic, softcap or None, alibi_slopes, out_bnhd=True)
+    if not return_attn_probs:
+        return res.transpose(1, 2)  # contiguous [B, Nq, Hq, d]
+    out, lse = res
+    return out.transpose(1, 2), lse, None
 
 
 def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
@@ -529,7 +589,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     else:
         out, lse = _attention_op(*args, return_lse, *varlen)
     out = out[0].permute(1, 0, 2)  # [total_q, Hq, d], contiguous: the kernel wrote the packed layout
-    return (out, lse[0]) if return_lse else out
+    return (out, _user_lse(lse, alibi, 0, 0, cu_seqlens_q, cu_seqlens_k)[0]) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,

@@ -39,19 +39,34 @@ def visibility(n_q: int, n_k: int, pos_offset: int, left: int, right: int, devic
     return vis
 
 
-def modify_scores(s, softcap=None, alibi=None, pos_offset=0):
+def alibi_row_shift(pos, n_k):
+    """dmin(p) = max(0, -p) + max(0, p - (n_k - 1)): the distance from key position ``pos`` (a tensor) to the
+    nearest of the keys 0..n_k - 1 (``n_k`` an int or a tensor broadcasting with ``pos``). tilefuse's op
+    measures ALiBi from there (``modify_scores(..., alibi_from_nearest=True)``), so its lse is the true one
+    plus ``slope * dmin(p)``."""
+    return (-pos).clamp(min=0) + (pos - (n_k - 1)).clamp(min=0)
+
+
+def modify_scores(s, softcap=None, alibi=None, pos_offset=0, alibi_from_nearest=False):
     """Gemma 2's soft-capping ``softcap * tanh(s / softcap)``, then ALiBi's ``-slope * |p - j|`` (alibi
-    [B, Hq] slopes, p = i + pos_offset) on scaled scores s [B, Hq, rows, Nk] whose rows start at row 0."""
+    [B, Hq] slopes, p = i + pos_offset) on scaled scores s [B, Hq, rows, Nk] whose rows start at row 0 and
+    hold every key. ``alibi_from_nearest``: ``-slope * (|p - j| - dmin(p))`` instead (:func:`alibi_row_shift`),
+    the convention of tilefuse's op and kernels: a constant per row, so the probabilities are the same,
+    while the scores and the lse of rows far outside the keys stay O(1) (in fp32 the constant's rounding
+    would dominate exp(s - lse))."""
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if alibi is not None:
+        n_k = s.shape[-1]
         pos = torch.arange(s.shape[-2], device=s.device)[:, None] + pos_offset
-        dist = (pos - torch.arange(s.shape[-1], device=s.device)[None, :]).abs().to(s.dtype)
-        s = s - alibi.to(s.dtype)[..., None, None] * dist
+        dist = (pos - torch.arange(n_k, device=s.device)[None, :]).abs()
+        if alibi_from_nearest:
+            dist = dist - alibi_row_shift(pos, n_k)  # integers: exact before the conversion below
+        s = s - alibi.to(s.dtype)[..., None, None] * dist.to(s.dtype)
     return s
 
 
-def _attend(q, k, v, scale, vis, mask, softcap=None, alibi=None, pos_offset=0):
+def _attend(q, k, v, scale, vis, mask, softcap=None, alibi=None, pos_offset=0, alibi_from_nearest=False):
     """q [..., Nq, d], k/v [..., Nk, d] (broadcastable batch dims); vis [Nq, Nk] or None; mask
     (bool or additive) broadcastable to [..., Nq, Nk] or None; the score modifiers as
     :func:`modify_scores`. Returns (out, lse)."""
@@ -63,7 +78,7 @@ def _attend(q, k, v, scale, vis, mask, softcap=None, alibi=None, pos_offset=0):
         r1 = min(n_q, r0 + step)
         s = (q[..., r0:r1, :] @ k.transpose(-2, -1)) * scale
         if softcap is not None or alibi is not None:
-            s = modify_scores(s, softcap, alibi, pos_offset + r0)
+            s = modify_scores(s, softcap, alibi, pos_offset + r0, alibi_from_nearest)
         if vis is not None:
             s = s.masked_fill(~vis[r0:r1], float("-inf"))
         if mask is not None:
@@ -104,26 +119,28 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return _attend(query, key, value, scale, vis, attn_mask)[0]
 
 
-def attend(q, k, v, mask, scale, pos_offset, left, right, softcap=None, alibi=None):
+def attend(q, k, v, mask, scale, pos_offset, left, right, softcap=None, alibi=None, alibi_from_nearest=False):
     """The math behind tilefuse's attention op on 4-D inputs: q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d]
     (GQA by repeat_interleave), query row i at key position i + pos_offset seeing keys
     p - left <= j <= p + right (negative: unbounded), mask None or broadcastable to [B, Hq, Nq, Nk].
-    Returns (out, lse); a row that sees no key gives 0 and lse -inf."""
+    Returns (out, lse); a row that sees no key gives 0 and lse -inf. ``alibi_from_nearest``: ALiBi as the
+    op's kernels apply it (:func:`modify_scores`), so lse is the op's row-shifted one; out is the same."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     vis = visibility(q.shape[-2], k.shape[-2], pos_offset, left, right, q.device)
-    out, lse = _attend(q, k, v, scale, vis, mask, softcap, alibi, pos_offset)
+    out, lse = _attend(q, k, v, scale, vis, mask, softcap, alibi, pos_offset, alibi_from_nearest)
     # lse in fp32 as the kernel returns it (kept fp64 when the reference runs in fp64)
     return out, (lse if lse.dtype == torch.float64 else lse.float())
 
 
-def attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, left, right, softcap=None, alibi=None):
+def attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, left, right, softcap=None, alibi=None,
+                    alibi_from_nearest=False):
     """(dq, dk, dv) of :func:`attend` in closed form (custom ops run below autograd): P recomputed from
     the forward's lse (rows that saw no key: P = 0), dS = P * (dP - (rowsum(dO * O) - dlse)), GQA
     gradients summed over each group's query heads. In fp32 (fp64 stays fp64), cast to the inputs'
-    dtype."""
+    dtype. ``alibi_from_nearest`` must be what the forward that made ``lse`` used."""
     ct = torch.promote_types(q.dtype, torch.float32)
     B, Hq, Nq, d = q.shape
     Hkv = k.shape[1]
@@ -131,7 +148,7 @@ def attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, left
     qf, kf, vf, of, dof = (t.to(ct) for t in (q, k, v, out, dout))
     kr, vr = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
     raw = (qf @ kr.transpose(-2, -1)) * scale
-    s = modify_scores(raw, softcap, alibi, pos_offset)
+    s = modify_scores(raw, softcap, alibi, pos_offset, alibi_from_nearest)
     vis = visibility(Nq, k.shape[-2], pos_offset, left, right, q.device)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))

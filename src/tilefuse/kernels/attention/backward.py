@@ -85,7 +85,7 @@ def _probabilities(s, lse2, offs_m, offs_n, pos_m, N_Q, N_K, window_left, window
     if HAS_SOFTCAP:
         t = tanh(s)
         chain = 1.0 - t * t
-    s = score_modifiers(s, pos_m, offs_n, softcap_log2, alibi_log2, HAS_SOFTCAP, HAS_ALIBI)
+    s = score_modifiers(s, pos_m, offs_n, N_K, softcap_log2, alibi_log2, HAS_SOFTCAP, HAS_ALIBI)
     visible = (offs_m < N_Q)[:, None] & (offs_n < N_K)[None, :]
     if HAS_LEFT:
         visible = visible & (offs_n[None, :] >= pos_m[:, None] - window_left)

@@ -54,14 +54,24 @@ def key_tile_ranges(m0, ROWS: tl.constexpr, N_Q, N_K, pos_offset, window_left, w
 
 
 @triton.jit
-def score_modifiers(s, pos_m, offs_n, softcap_log2, alibi_log2, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+def score_modifiers(s, pos_m, offs_n, N_K, softcap_log2, alibi_log2, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr):
     """Gemma 2's soft-capping (``s`` holds the scores divided by the cap: cap * tanh(s / cap), in the log2
-    domain) and ALiBi's ``-slope * |p - j|``, on a [rows, keys] tile of scaled scores; the forward and
-    the backward (backward.py) both call it, so they see one score."""
+    domain) and ALiBi on a [rows, keys] tile of scaled scores; the forward and the backward (backward.py)
+    both call it, so they see one score.
+
+    ALiBi is measured from each row's nearest key: ``-slope * |c - j|`` with c = clamp(p, 0, N_K - 1), which
+    for every key j < N_K is ``-slope * (|p - j| - dmin(p))``, dmin(p) = max(0, -p) + max(0, p - (N_K - 1)).
+    The two differ by a constant per row, which the softmax ignores; but a row far outside the keys (p < 0
+    when Nq > Nk) would otherwise carry ``-slope * dmin(p)`` (hundreds) in every score and in its lse, where
+    fp32 rounding of that constant (an ulp of 1.5e-5 at 200) dominates exp(s - lse). The integer distance is
+    formed before the one conversion to fp32, so it is exact. The lse the kernels store is this row-shifted
+    one; tilefuse.ops.attention converts it where a user asks for the lse."""
     if HAS_SOFTCAP:
         s = tanh(s) * softcap_log2
     if HAS_ALIBI:
-        s = s - alibi_log2 * tl.abs(pos_m[:, None] - offs_n[None, :]).to(tl.float32)
+        nearest = tl.minimum(tl.maximum(pos_m, 0), N_K - 1)
+        s = s - alibi_log2 * tl.abs(nearest[:, None] - offs_n[None, :]).to(tl.float32)
     return s
 
 

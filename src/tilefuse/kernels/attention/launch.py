@@ -271,29 +271,32 @@ KERNELS = ("auto", "ws", "portable")
 
 
 def forward(q, k, v, mask, scale: float, pos_offset: int, window_left: int, window_right: int,
-            return_lse: bool, path, kernel: str = "auto", softcap=None, alibi=None, varlen=None):
-    """out [B, Hq, Nq, d] (contiguous) and lse fp32 [B, Hq, Nq] (or an empty tensor without
+            return_lse: bool, path, kernel: str = "auto", softcap=None, alibi=None, varlen=None, out_bnhd=False):
+    """out [B, Hq, Nq, d] (contiguous, or see ``out_bnhd``) and lse fp32 [B, Hq, Nq] (or an empty tensor without
     ``return_lse``) for q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d] with Nq, Nk >= 1, mask None or a view of
     [B, Hq, Nq, Nk] (broadcast dims at stride 0). ``kernel``: "auto" (the rule in the module doc) or
     "ws" / "portable" to force one (benchmarks measure both side by side). ``softcap`` / ``alibi``: the
-    score modifiers (see ``_launch``). ``varlen``: (cu_q, cu_k, max_q, max_k) for packed sequences with
-    q/k/v viewed [1, H, total, d]; out is then laid out [total_q, Hq, d] (returned as its [1, Hq, total_q, d]
-    view) and lse [1, Hq, total_q]."""
+    score modifiers (see ``_launch``; with ``alibi`` the lse is measured from each row's nearest key, see
+    common.score_modifiers). ``out_bnhd``: out laid out [B, Nq, Hq, d] (FlashAttention's layout, written in
+    place by the kernel through its strides) and returned as its [B, Hq, Nq, d] view. ``varlen``: (cu_q,
+    cu_k, max_q, max_k) for packed sequences with q/k/v viewed [1, H, total, d]; out is then always laid out
+    so, i.e. [total_q, Hq, d] (returned as its [1, Hq, total_q, d] view), and lse is [1, Hq, total_q]."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     cu = varlen[:2] if varlen is not None else (None, None)
     return _FORWARD.run((q, k, v, mask, alibi, *cu),
                         (scale, pos_offset, window_left, window_right, return_lse, kernel, softcap,
-                         None if varlen is None else varlen[2:]),
+                         None if varlen is None else varlen[2:], out_bnhd),
                         lambda: _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse,
-                                         path, kernel, softcap, alibi, varlen))
+                                         path, kernel, softcap, alibi, varlen, out_bnhd))
 
 
 def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel, softcap, alibi,
-             varlen=None):
+             varlen=None, out_bnhd=False):
     B, Hq, Nq, d = q.shape
-    if varlen is not None:  # the packed layout [total_q, Hq, d], seen as [1, Hq, total_q, d]
-        out = torch.empty((Nq, Hq, d), dtype=q.dtype, device=q.device).permute(1, 0, 2)[None]
+    if varlen is not None or out_bnhd:  # [B, Nq, Hq, d] (packed: [total_q, Hq, d]), seen as [B, Hq, Nq, d]
+        # the layout tilefuse.ops.attention._empty_outputs (the fake implementation) gives
+        out = torch.empty((B, Nq, Hq, d), dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
     else:
         out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)

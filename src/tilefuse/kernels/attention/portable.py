@@ -42,7 +42,8 @@ def _attend_stage(
 
     Scores live in the log2 domain (scale * log2(e) folded into qk_scale) so exp is one exp2. With
     HAS_SOFTCAP, qk_scale is scale / softcap and the score is tanh of it times softcap * log2(e)
-    (``softcap_log2``); HAS_ALIBI subtracts ``alibi_log2`` (this head's slope * log2(e)) times |p - j|.
+    (``softcap_log2``); HAS_ALIBI subtracts ``alibi_log2`` (this head's slope * log2(e)) times the distance
+    from the row's nearest key (``score_modifiers``).
     """
     offs_n_base = tl.arange(0, BLOCK_N)
     for start in range(start_n, end_n, BLOCK_N):
@@ -70,7 +71,7 @@ def _attend_stage(
 
         # ---- scores in the log2 domain ------------------------------------------------------
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        s = score_modifiers(s, pos_m, offs_n, softcap_log2, alibi_log2, HAS_SOFTCAP, HAS_ALIBI)
+        s = score_modifiers(s, pos_m, offs_n, N_K, softcap_log2, alibi_log2, HAS_SOFTCAP, HAS_ALIBI)
         if APPLY_BOUNDS:
             key_pos = offs_n[None, :]
             visible = key_pos < N_K
