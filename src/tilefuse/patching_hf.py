@@ -233,12 +233,16 @@ def _fused_loss_call(model, args, kwargs, labels):
                                   attentions=getattr(outputs, "attentions", None))
 
 
-def fused_loss_forward(self, *args, labels=None, **kwargs):
+def fused_loss_forward(self, *args, **kwargs):
     """Training with labels: the loss by linear_cross_entropy and no logits; otherwise the model's forward."""
+    if args:  # by name from here on: the base model's positional order differs from the LM's (labels, use_cache)
+        names = [n for n in inspect.signature(type(self).forward).parameters if n != "self"]
+        kwargs.update(zip(names, args))
+    labels = kwargs.pop("labels", None)
     if labels is None or not self.training or kwargs.get("logits_to_keep", 0) != 0 \
             or kwargs.get("return_dict") is False:
-        return type(self).forward(self, *args, labels=labels, **kwargs)
-    return _fused_loss_call(self, args, kwargs, labels)
+        return type(self).forward(self, labels=labels, **kwargs)
+    return _fused_loss_call(self, (), kwargs, labels)
 
 
 # ---- whole-model verification and the steps ------------------------------------------------------------
