@@ -158,7 +158,6 @@ def _train(variant, d, state, x, target, steps, warmup, device, dtype, compile_m
         losses[i] = loss.detach()
         advance()
 
-    on_gpu = device.type == "cuda"
     graphs_before = _dynamo_counts()
     t0 = time.perf_counter()
     with launches.recording() as records:  # what ran, read from the warm-up steps only
@@ -167,22 +166,7 @@ def _train(variant, d, state, x, target, steps, warmup, device, dtype, compile_m
         _sync(device)
     warmup_s = time.perf_counter() - t0
     graphs_after = _dynamo_counts()
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(warmup, steps):
-            step(i)
-        end.record()
-        torch.cuda.synchronize(device)
-        seconds = start.elapsed_time(end) / 1e3
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        t1 = time.perf_counter()
-        for i in range(warmup, steps):
-            step(i)
-        seconds = time.perf_counter() - t1
-        peak = None
+    seconds, peak = timed_steps(step, warmup, steps, device)
     timed = steps - warmup
     curve = losses.tolist()
     return {
@@ -198,6 +182,24 @@ def _train(variant, d, state, x, target, steps, warmup, device, dtype, compile_m
         "graph_breaks": graphs_after[1] - graphs_before[1] if fwd is not model else None,
         "error": None,
     }
+
+
+def timed_steps(step, first: int, last: int, device) -> tuple[float, int | None]:
+    """(seconds, peak bytes) of ``step(i)`` for i in [first, last): between two CUDA events with the peak
+    memory stats reset before (GPU), or by time.perf_counter with no peak (CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(first, last):
+            step(i)
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(device)
+    t0 = time.perf_counter()
+    for i in range(first, last):
+        step(i)
+    return time.perf_counter() - t0, None
 
 
 def _dynamo_counts() -> tuple[int, int]:

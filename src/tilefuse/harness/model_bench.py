@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tilefuse.harness.mlp_train import (BenchArgumentError, _dtype_name, _dynamo_counts, _failure, _release,
-                                        _sync)
+                                        _sync, timed_steps)
 
 VARIANTS = ("eager", "tilefuse", "torch.compile", "torch.compile over tilefuse")
 GPU_COMPILE_MODE = "max-autotune-no-cudagraphs"
@@ -150,22 +150,7 @@ def _train(variant, name, batch, seq, steps, warmup, seed, on_gpu, compile_mode,
         step(i)
     _sync(device)
     graphs_after = _dynamo_counts()
-    peak = None
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(warmup, steps):
-            step(i)
-        end.record()
-        torch.cuda.synchronize(device)
-        seconds = start.elapsed_time(end) / 1e3
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        t0 = time.perf_counter()
-        for i in range(warmup, steps):
-            step(i)
-        seconds = time.perf_counter() - t0
+    seconds, peak = timed_steps(step, warmup, steps, device)
     curve = losses.tolist()
     return {"tokens_per_s": batch * seq * (steps - warmup) / seconds, "step_ms": 1e3 * seconds / (steps - warmup),
             "peak_memory_bytes": peak, "loss_curve": curve, "final_loss": curve[-1], "patch_s": patch_s,
