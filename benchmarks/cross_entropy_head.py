@@ -1,5 +1,5 @@
 """Issue targets for the fused LM-head loss: forward + backward time and peak memory of tilefuse's
-linear_cross_entropy beside eager (F.linear + F.cross_entropy on fp32 logits), torch.compile of the eager pair
+linear_cross_entropy (its two forwards: on-chip online lse, and cuBLAS over vocabulary chunks) beside eager (F.linear + F.cross_entropy on fp32 logits), torch.compile of the eager pair
 and Liger-Kernel's LigerFusedLinearCrossEntropyLoss (when its wheel is installed), side by side in one run.
 
 Shapes: the Llama-3 head (8192 tokens, K 4096, V 128256) and GPT-2's (8192, 768, 50257), bf16, every 7th
@@ -33,7 +33,14 @@ def main() -> int:
     def eager(x, w, t):
         return F.cross_entropy(F.linear(x, w).float(), t)
     compiled = torch.compile(eager, dynamic=False)
-    variants = {"tilefuse": lambda x, w, t: tilefuse.linear_cross_entropy(x, w, t, check_targets=False),
+    from tilefuse.kernels.gemm import launch
+
+    def fused(forward):
+        def run(x, w, t):
+            launch.LCE_FORWARD = forward  # the launch layer's forward strategy (see its LCE_FORWARD)
+            return tilefuse.linear_cross_entropy(x, w, t, check_targets=False)
+        return run
+    variants = {"tilefuse (online forward)": fused("online"), "tilefuse (chunked forward)": fused("chunked"),
                 "eager": eager, "torch.compile": compiled}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss

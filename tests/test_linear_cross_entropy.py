@@ -108,16 +108,7 @@ def test_backward_over_several_vocabulary_chunks(device, monkeypatch, smoothing,
     """The backward walks the vocabulary in chunks (a full GEMM per chunk for dW's rows, dx summed over the
     chunks): with a chunk budget of 128 columns, V = 301 takes three chunks, the last one partial. Gradients
     against float64, bias included; bit-identical when run twice (no atomics)."""
-    from tilefuse.kernels.gemm import launch
-    M, K, V = 37, 24, 301
-    monkeypatch.setattr(launch, "LCE_CHUNK_BYTES", 128 * M * (2 if DTYPE == torch.bfloat16 else 4))
-    assert launch.lce_vocab_chunk(M, V, 2 if DTYPE == torch.bfloat16 else 4) == 128
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(M, K, generator=g).to(device, DTYPE)
-    w = (torch.randn(V, K, generator=g) * K ** -0.5).to(device, DTYPE)
-    b = torch.randn(V, generator=g).to(device, DTYPE)
-    target = torch.randint(0, V, (M,), generator=g).to(device)
-    target[::5] = -100
+    x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=4)
     grads = []
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
@@ -132,3 +123,35 @@ def test_backward_over_several_vocabulary_chunks(device, monkeypatch, smoothing,
     for got, again, want, name in zip(grads[0], grads[1], ref, ("dx", "dW", "db")):
         assert_close(got, want.grad, BOUND, name)
         assert torch.equal(got, again), f"{name} differs run to run"
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_chunked_forward_matches_the_online_one(device, monkeypatch, softcap):
+    """The forward over cuBLAS-made vocabulary chunks folds the same partials as the on-chip one: losses and
+    lse agree with float64 over three chunks (the last partial), label smoothing and bias included."""
+    from tilefuse.kernels.gemm import launch
+    monkeypatch.setattr(launch, "LCE_FORWARD", "chunked")
+    x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=5)
+    got, lse = tilefuse.linear_cross_entropy(x, w, target, b, reduction="none", label_smoothing=0.1,
+                                             softcap=softcap, return_lse=True)
+    z = F.linear(x.double(), w.double(), b.double())
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    assert_close(got, F.cross_entropy(z, target, reduction="none", label_smoothing=0.1), BOUND, "loss")
+    assert_close(lse, torch.logsumexp(z, -1), BOUND, "lse")
+
+
+def _three_chunk_problem(device, monkeypatch, seed):
+    """(x, w, b, target) at M 37, K 24, V 301 with the chunk budget cut to 128 vocabulary entries: three
+    chunks, the last one partial; every 5th target ignored."""
+    from tilefuse.kernels.gemm import launch
+    M, K, V = 37, 24, 301
+    monkeypatch.setattr(launch, "LCE_CHUNK_BYTES", 128 * M * (2 if DTYPE == torch.bfloat16 else 4))
+    assert launch.lce_vocab_chunk(M, V, 2 if DTYPE == torch.bfloat16 else 4) == 128
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(device, DTYPE)
+    w = (torch.randn(V, K, generator=g) * K ** -0.5).to(device, DTYPE)
+    b = torch.randn(V, generator=g).to(device, DTYPE)
+    target = torch.randint(0, V, (M,), generator=g).to(device)
+    target[::5] = -100
+    return x, w, b, target

@@ -374,11 +374,15 @@ def test_fp32_gemm_kernels_honour_the_input_precision(kernel, precision):
     assert facts["wgmma"] == (precision == "tf32"), facts
 
 
-def test_cross_entropy_logit_gradient_kernel_compiles_for_sm90():
-    """The backward's in-place dz pass over a bf16 logits chunk (elementwise, no dot): compiles, no spills."""
-    from tilefuse.kernels.gemm.launch import LCE_GRAD_TILE
-    facts = compile_sm90("tilefuse.kernels.gemm.cross_entropy", "lce_logit_grad_kernel",
-                         {"z_ptr": "*bf16", "target_ptr": "*i64", "lse_ptr": "*fp32", "dloss_ptr": "*fp32",
-                          "softcap": "fp32", "smoothing": "fp32", "*": "*fp32"},
-                         dict(HAS_SOFTCAP=True, **LCE_GRAD_TILE), 4, 1)
+@pytest.mark.parametrize("kernel", ["lce_logit_grad_kernel", "lce_chunk_stats_kernel"])
+def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel):
+    """The row passes over a bf16 logits chunk -- the backward's in-place dz, the chunked forward's partials
+    (no dot in either): they compile, without spills."""
+    from tilefuse.kernels.gemm.launch import LCE_GRAD_TILE, LCE_STATS_TILE
+    sig = {"z_ptr": "*bf16", "target_ptr": "*i64", "softcap": "fp32", "*": "*fp32"}
+    tile = LCE_STATS_TILE
+    if kernel == "lce_logit_grad_kernel":
+        sig["smoothing"] = "fp32"
+        tile = LCE_GRAD_TILE
+    facts = compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1)
     assert facts["spill_store_bytes"] == 0, facts

@@ -4,7 +4,9 @@ materialised, forward and backward.
 Forward (``lce_forward_kernel``): a program per (token block, vocabulary slice) streams the slice's W tiles
 through a tiled GEMM and folds each logit tile into a running max / sum of exponentials (the online
 softmax), the target's logit and the logits' sum (for label smoothing); the slices' partials are merged on
-the host side of the launch layer (4 floats per token and slice).
+the host side of the launch layer (4 floats per token and slice). The chunked forward
+(``lce_chunk_stats_kernel``; launch.LCE_FORWARD) folds the same partials from vocabulary chunks whose logits
+a cuBLAS GEMM made, one [T, VC] chunk at a time.
 Backward (launch.py), over vocabulary chunks of a few thousand entries: the chunk's logits [T, VC] are
 recomputed by one GEMM, turned into ``dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V))``
 (times 1 - tanh^2 under the softcap) in place by ``lce_logit_grad_kernel``, then ``dW[chunk] = dz^T @ x``
@@ -67,11 +69,7 @@ def lce_forward_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     offs_m64 = offs_m.to(tl.int64)
-    target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    z_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    z_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    target, m_i, l_i, z_t, z_sum = _rows_start(target_ptr, offs_m64, mask_m, BLOCK_M)
     v_begin = split * V_SLICE
     v_end = tl.minimum(V, v_begin + V_SLICE)
     for v0 in range(v_begin, v_end, BLOCK_V):
@@ -79,18 +77,63 @@ def lce_forward_kernel(
         mask_v = offs_v < v_end
         z, _ = _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
                            HAS_BIAS, HAS_SOFTCAP, INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_V, BLOCK_K)
-        m_new = tl.maximum(m_i, tl.max(z, 1))
-        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
-        m_i = m_new
-        hit = offs_v.to(tl.int64)[None, :] == target[:, None]
-        z_t += tl.sum(tl.where(hit, z, 0.0), 1)
-        z_sum += tl.sum(tl.where(mask_v[None, :], z, 0.0), 1)
+        m_i, l_i, z_t, z_sum = _fold_tile(z, offs_v, mask_v, target, m_i, l_i, z_t, z_sum)
+    _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum)
+
+
+@triton.jit
+def _rows_start(target_ptr, offs_m64, mask_m, BLOCK_M: tl.constexpr):
+    """The rows' targets and their empty partials (max -inf, sums 0)."""
+    target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
+    zero = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    return target, tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32), zero, zero, zero
+
+
+@triton.jit
+def _fold_tile(z, offs_v, mask_v, target, m_i, l_i, z_t, z_sum):
+    """One [rows, BLOCK_V] logit tile (-inf past the slice) folded into the rows' running max, sum of exp
+    (online softmax), target logit and logit sum."""
+    m_new = tl.maximum(m_i, tl.max(z, 1))
+    l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
+    hit = (offs_v.to(tl.int64)[None, :] == target[:, None]) & mask_v[None, :]  # past the slice: another's id
+    z_t += tl.sum(tl.where(hit, z, 0.0), 1)
+    z_sum += tl.sum(tl.where(mask_v[None, :], z, 0.0), 1)
+    return m_new, l_i, z_t, z_sum
+
+
+@triton.jit
+def _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum):
     base = part_ptr + split.to(tl.int64) * M + offs_m64
     plane = splits.to(tl.int64) * M
     tl.store(base, m_i, mask=mask_m)
     tl.store(base + plane, l_i, mask=mask_m)
     tl.store(base + 2 * plane, z_t, mask=mask_m)
     tl.store(base + 3 * plane, z_sum, mask=mask_m)
+
+
+@triton.jit
+def lce_chunk_stats_kernel(
+    z_ptr,                       # [M, VC] logits of vocabulary chunk ``split`` (bias added), from a GEMM
+    target_ptr, part_ptr,        # part: fp32 [4, SPLITS, M], as lce_forward_kernel writes it
+    M, VC, v0, split, splits, stride_zm, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """The forward's partials of one materialised vocabulary chunk (the chunked forward: cuBLAS makes the
+    chunk's logits, this folds them), columns v0 + j."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_m64 = offs_m.to(tl.int64)
+    target, m_i, l_i, z_t, z_sum = _rows_start(target_ptr, offs_m64, mask_m, BLOCK_M)
+    for j0 in range(0, VC, BLOCK_V):
+        offs_j = j0 + tl.arange(0, BLOCK_V)
+        mask_v = offs_j < VC
+        z = tl.load(z_ptr + offs_m64[:, None] * stride_zm + offs_j[None, :], mask=mask_m[:, None] & mask_v[None, :],
+                    other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * tanh(z / softcap)
+        z = tl.where(mask_v[None, :], z, float("-inf"))
+        m_i, l_i, z_t, z_sum = _fold_tile(z, v0 + offs_j, mask_v, target, m_i, l_i, z_t, z_sum)
+    _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum)
 
 
 @triton.jit

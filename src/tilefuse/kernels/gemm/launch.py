@@ -483,28 +483,42 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
     w [V, K] with unit inner strides, target int [M]: 0 on rows whose target is ``ignore_index``, NaN where
     the target is outside [0, V). The vocabulary is cut into slices (enough programs for the GPU); their
     partial (max, sum of exp, target logit, logit sum) merge here."""
-    from tilefuse.kernels.gemm.cross_entropy import lce_forward_kernel
+    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel, lce_forward_kernel
 
     M, K = x2d.shape
     V = w.shape[0]
-    tile = _lce_tile(path)
-    blocks = cdiv(M, tile["BLOCK_M"])
-    vtiles = cdiv(V, tile["BLOCK_V"])
-    if path == runtime.INTERPRETER:
-        splits = min(4, vtiles)
+    if LCE_FORWARD == "chunked":  # cuBLAS makes each vocabulary chunk's logits; a row pass folds them
+        vc = lce_vocab_chunk(M, V, x2d.element_size())
+        splits = cdiv(V, vc)
+        part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
+        tile = LCE_STATS_TILE
+        for i, v0 in enumerate(range(0, V, vc)):
+            w_c = w[v0:v0 + vc]
+            z = torch.mm(x2d, w_c.t()) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c.t())
+            fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (
+                z, target, part, M, z.shape[1], v0, i, splits, z.stride(0), float(softcap or 0.0)),
+                dict(HAS_SOFTCAP=softcap is not None, **tile))
+        launches.record("linear_cross_entropy", path, f"{splits} vocabulary chunks of {vc}: logits by a GEMM, "
+                        "folded by a row pass", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
     else:
-        splits = max(1, min(vtiles, cdiv(2 * runtime.device_facts(x2d.device)[1], blocks)))
-    v_slice = cdiv(vtiles, splits) * tile["BLOCK_V"]
-    splits = cdiv(V, v_slice)
-    part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
-    fastpath.launch(lce_forward_kernel, (blocks, splits), (
-        x2d, w, b if b is not None else w, target, part, M, V, K, v_slice, x2d.stride(0), w.stride(0),
-        float(softcap or 0.0)),
-        dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None,
-             INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
-             UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
-    launches.record("linear_cross_entropy", path, f"online lse over {splits} vocabulary slices",
-                    lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
+        tile = _lce_tile(path)
+        blocks = cdiv(M, tile["BLOCK_M"])
+        vtiles = cdiv(V, tile["BLOCK_V"])
+        if path == runtime.INTERPRETER:
+            splits = min(4, vtiles)
+        else:
+            splits = max(1, min(vtiles, cdiv(2 * runtime.device_facts(x2d.device)[1], blocks)))
+        v_slice = cdiv(vtiles, splits) * tile["BLOCK_V"]
+        splits = cdiv(V, v_slice)
+        part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
+        fastpath.launch(lce_forward_kernel, (blocks, splits), (
+            x2d, w, b if b is not None else w, target, part, M, V, K, v_slice, x2d.stride(0), w.stride(0),
+            float(softcap or 0.0)),
+            dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None,
+                 INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
+                 UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
+        launches.record("linear_cross_entropy", path, f"online lse over {splits} vocabulary slices",
+                        lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
     m = part[0].amax(0)
     lse = m + torch.log((part[1] * torch.exp(part[0] - m)).sum(0))
     z_t, z_sum = part[2].sum(0), part[3].sum(0)
@@ -515,8 +529,13 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
     return loss, lse
 
 
-LCE_CHUNK_BYTES = 128 * 2**20  # the backward's one [T, VC] logits chunk
+LCE_CHUNK_BYTES = 128 * 2**20  # the one [T, VC] logits chunk of the backward (and of the chunked forward)
 LCE_GRAD_TILE = dict(BLOCK_M=32, BLOCK_V=128)
+LCE_STATS_TILE = dict(BLOCK_M=8, BLOCK_V=256)  # the chunked forward's row pass: 80 registers on sm_90a, no spills
+# The forward: "online" (lce_forward_kernel: logit tiles only on chip, tl.dot with pointer loads) or "chunked"
+# (cuBLAS GEMMs over vocabulary chunks, one [T, VC] chunk at a time, folded by a row pass). Not yet measured
+# against each other: benchmarks/cross_entropy_head.py times both; the faster becomes the one default.
+LCE_FORWARD = "online"
 
 
 def lce_vocab_chunk(M: int, V: int, element_size: int) -> int:
