@@ -101,11 +101,19 @@ def _dtensor_ops(rank, device, mesh):
             call()
         except ValueError as exc:
             errors[name] = str(exc)
+    q, kv = torch.randn(2, 4, 6, 8, generator=g).to(device), torch.randn(2, 2, 6, 8, generator=g).to(device)
+    att = tilefuse.attention(*(distribute_tensor(t, mesh, [Shard(1)]) for t in (q, kv, kv)), causal=True)
+    try:
+        tilefuse.attention(*(distribute_tensor(t, mesh, [Shard(2)]) for t in (q, kv, kv)))
+    except ValueError as exc:
+        errors["attention_over_sequence"] = str(exc)
     norm = tilefuse.rms_norm(distribute_tensor(x, mesh, [Shard(0)]), 16, distribute_tensor(
         torch.ones(16, device=device), mesh, [Replicate()]), 1e-6)
     return {"col_placement": str(col.placements[0]), "col_rel": _rel(col.full_tensor(), full),
             "row_rel": _rel(row.full_tensor(), torch.nn.functional.linear(full, w2, b2)),
             "norm_rel": _rel(norm.full_tensor(), torch.nn.functional.rms_norm(x, (16,), eps=1e-6)),
+            "attention_rel": _rel(att.full_tensor(), torch.nn.functional.scaled_dot_product_attention(
+                q, kv, kv, is_causal=True, enable_gqa=True)),
             "errors": errors}
 
 
@@ -159,6 +167,8 @@ def test_ops_run_on_local_shards_and_name_the_placements_they_refuse(tmp_path):
         assert result["col_rel"] <= 1e-5 and result["row_rel"] <= 1e-5 and result["norm_rel"] <= 1e-5
         assert "activation needs the row-parallel sum first" in result["errors"]["row_with_activation"]
         assert "got x S(1)" in result["errors"]["norm_over_sharded_dim"]
+        assert result["attention_rel"] <= 1e-5
+        assert "got q S(2)" in result["errors"]["attention_over_sequence"]
 
 
 def test_the_plan_refuses_what_it_cannot_split():

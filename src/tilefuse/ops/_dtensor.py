@@ -8,6 +8,8 @@ hands activations between modules). Shard-local cases:
   replicated bias), without an activation only (an activation needs the full sum first); a replicated weight
   keeps x's placement unless x is sharded on its last dim.
 - the norms: x replicated or sharded on any dim but the last (the normalised one), parameters replicated.
+- attention (and SDPA): q, k, v [B, H, N, d] sharded alike on the batch or the heads, or replicated; a mask or
+  ALiBi slopes plain / replicated or sharded as q.
 """
 from __future__ import annotations
 
@@ -124,3 +126,28 @@ def rows(x, params, run):
     if isinstance(out, tuple):
         return tuple(_wrap(o, mesh, xp, x.shape) for o in out)
     return _wrap(out, mesh, xp, x.shape)
+
+
+def heads(q, k, v, extras, run):
+    """``run(q, k, v, *extras)`` on local shards for attention over [B, H, N, d] DTensors: q, k and v sharded
+    alike on the batch (dim 0) or the heads (dim 1), or replicated. ``extras`` (a mask, ALiBi slopes) must be
+    None, plain / replicated, or sharded as q is. The outputs keep q's placement (the lse too: [B, H, N])."""
+    from torch.distributed.tensor import Replicate, Shard
+    if q.dim() != 4:
+        raise ValueError(f"tilefuse attention takes DTensors as 4-D [B, H, N, d]; got a {q.dim()}-D query")
+    mesh, place = _mesh_and_placement([q, k, v, *[e for e in extras if e is not None]])
+    qp = place(q)
+    ok = qp in (Replicate(), Shard(0), Shard(1)) and place(k) == qp and place(v) == qp
+    for e in extras:
+        if e is not None and place(e) not in (Replicate(), qp):
+            ok = False
+    if not ok:
+        shown = ", ".join(f"{n} {place(t)}" for n, t in (("q", q), ("k", k), ("v", v)))
+        shown += "".join(f", extra {place(e)}" for e in extras if e is not None)
+        raise ValueError("tilefuse attention runs on local shards when q, k and v are sharded alike on the batch "
+                         f"(Shard(0)) or heads (Shard(1)) of [B, H, N, d], or replicated; got {shown}")
+    out = run(_local(q), _local(k), _local(v), *[_local(e) for e in extras])
+    shapes = (q.shape, q.shape[:3])  # out [B, Hq, Nq, d]; lse [B, Hq, Nq]
+    if isinstance(out, tuple):
+        return tuple(_wrap(o, mesh, qp, s) for o, s in zip(out, shapes))
+    return _wrap(out, mesh, qp, shapes[0])

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from tilefuse import runtime
-from tilefuse.ops import _dispatch
+from tilefuse.ops import _dispatch, _dtensor
 from tilefuse.ops._checks import check_same_device, check_same_dtype, check_softcap, check_tensor, grad_needed
 from tilefuse.reference import attention as ref_attention
 
@@ -306,6 +306,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     aligned position, FlashAttention's convention) after the cap; both compose with causal, windows and
     GQA, forward and backward (the slopes get no gradient). Registered as ``torch.ops.tilefuse.attention``.
     """
+    if _dtensor.any_dtensor(q, k, v, alibi_slopes):  # heads sharded by tensor parallelism: the local heads
+        return _dtensor.heads(q, k, v, (alibi_slopes,), lambda q, k, v, a: _attention(
+            q, k, v, causal, window, scale, return_lse, deterministic, softcap, a))
     return _attention(q, k, v, causal, window, scale, return_lse, deterministic, softcap, alibi_slopes)
 
 
@@ -408,6 +411,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """
     if dropout_p != 0.0:
         raise NotImplementedError("tilefuse.scaled_dot_product_attention has no dropout; use dropout_p=0.0")
+    if _dtensor.any_dtensor(query, key, value, attn_mask):
+        return _dtensor.heads(query, key, value, (attn_mask,), lambda q, k, v, m: scaled_dot_product_attention(
+            q, k, v, m, 0.0, is_causal, scale, enable_gqa))
     cast = _dispatch.autocast_dtype(query) if isinstance(query, torch.Tensor) else None
     if cast is not None:  # as torch's SDPA under autocast (a float mask follows the inputs)
         query, key, value = _dispatch.cast_floats(cast, query, key, value)
