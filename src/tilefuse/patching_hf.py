@@ -11,7 +11,8 @@ is kept only if the outputs agree within the dtype's bound; otherwise it is undo
   (``cu_seq_lens_q``, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives) run as one
   attention_varlen call. A call with dropout in training mode, ``output_attentions`` or a
   position bias runs HF's own SDPA code for that call: dropout is never silently dropped.
-- QKV: an attention module with ``q_proj``/``k_proj``/``v_proj``/``o_proj`` Linears, ``head_dim``,
+- QKV (GPT-2's transposed ``Conv1D`` ``c_attn`` too, read through its transposed view): an attention module
+  with ``q_proj``/``k_proj``/``v_proj``/``o_proj`` Linears, ``head_dim``,
   ``layer_idx`` and a ``forward(hidden_states, position_embeddings, ...)`` (Llama, Mistral, Qwen2, Qwen3 and
   their relatives) gets an instance ``forward`` that makes q, k, v in head layout with RoPE (and
   ``q_norm``/``k_norm``) applied in the GEMM epilogue, then continues as HF's does (KV cache, the attention
@@ -186,6 +187,48 @@ def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_m
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
+def conv1d_qkv_candidate(module) -> str | None:
+    """None when ``module`` is GPT-2-style self-attention (one transposed ``Conv1D`` ``c_attn`` making q, k, v
+    side by side, ``c_proj``, ``num_heads`` / ``head_dim``), else why not ("" when it is not one at all)."""
+    c_attn, c_proj = getattr(module, "c_attn", None), getattr(module, "c_proj", None)
+    if type(c_attn).__name__ != "Conv1D" or type(c_proj).__name__ != "Conv1D":
+        return ""
+    heads, d = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+    if not isinstance(heads, int) or not isinstance(d, int) or c_attn.weight.shape[1] != 3 * heads * d:
+        return "c_attn is not q, k, v of num_heads * head_dim columns each"
+    if getattr(module, "is_cross_attention", False):
+        return "cross-attention is left alone"
+    if not all(hasattr(module, a) for a in ("layer_idx", "scaling", "attn_dropout", "resid_dropout")):
+        return "not a GPT-2 attention module (layer_idx / scaling / dropouts)"
+    return None
+
+
+def fused_conv1d_qkv_forward(self, hidden_states, past_key_values=None, attention_mask=None,
+                             encoder_hidden_states=None, encoder_attention_mask=None, output_attentions=False,
+                             **kwargs):
+    """GPT-2's self-attention with q, k, v made in head layout by one qkv_projection call over ``c_attn``'s
+    transposed weight (no split or head transposes), then as HF's forward: the KV cache, the attention
+    interface (HF's eager reorder-and-upcast path stays HF's), ``c_proj`` and the residual dropout."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tilefuse.ops.qkv import qkv_projection
+    eager_upcast = self.config._attn_implementation == "eager" and getattr(self, "reorder_and_upcast_attn", False)
+    if encoder_hidden_states is not None or hidden_states.dim() != 3 or eager_upcast:
+        return type(self).forward(self, hidden_states, past_key_values, attention_mask, encoder_hidden_states,
+                                  encoder_attention_mask, output_attentions, **kwargs)
+    q, k, v = qkv_projection(hidden_states, self.c_attn.weight.t(), self.c_attn.bias, num_heads=self.num_heads)
+    if past_key_values is not None:
+        cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+        k, v = cache.update(k, v, self.layer_idx)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+    if interface is None:
+        interface = inspect.getmodule(type(self)).eager_attention_forward
+    out, weights = interface(self, q, k, v, attention_mask, dropout=self.attn_dropout.p if self.training else 0.0,
+                             scaling=self.scaling, **kwargs)
+    out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
+    return self.resid_dropout(out), weights
+
+
 # ---- the LM-head loss without logits -------------------------------------------------------------------------
 
 def loss_candidate(model) -> str | None:
@@ -331,12 +374,15 @@ def patch(model, report, *, attention: bool, qkv: bool, loss: bool, verify: bool
     if qkv:
         paths = []
         for path, module in model.named_modules():
-            reason = qkv_candidate(module)
-            if reason is None:
-                module.forward = types.MethodType(fused_qkv_forward, module)
-                paths.append(path)
-            elif reason:
-                report.skipped.append((path, reason))
+            for candidate, forward in ((qkv_candidate, fused_qkv_forward),
+                                       (conv1d_qkv_candidate, fused_conv1d_qkv_forward)):
+                reason = candidate(module)
+                if reason is None:
+                    module.forward = types.MethodType(forward, module)
+                    paths.append(path)
+                    break
+                if reason:
+                    report.skipped.append((path, reason))
         if paths:
             ok, check = _agrees(model, want) if verify else (True, "not verified")
             if ok:
