@@ -29,3 +29,14 @@ def check_against_reference(spec, params, device, seed=0):
     assert_close(out, ref, spec.tolerance(params), f"{spec.name} {spec.label(params)}")
     return out
 
+
+def train_losses(loss_fn, optimizer, steps: int) -> list[float]:
+    """``steps`` optimizer steps on ``loss_fn()``; the loss of each step (before its update)."""
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import tilefuse
-from helpers import ON_GPU, assert_close
+from helpers import ON_GPU, assert_close, train_losses
 from tilefuse.opspec import REL_L2_BOUND
 from tilefuse.reference import attention as ref_attention
 
@@ -152,14 +152,7 @@ def test_a_training_step_of_a_tiny_block_matches_sdpa(device):
                    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)):
         qkv, proj = make()
         opt = torch.optim.SGD(list(qkv.parameters()) + list(proj.parameters()), lr=0.1)
-        run = []
-        for _ in range(50 if ON_GPU else 5):
-            loss = step(qkv, proj, attend)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            run.append(loss.item())
-        losses.append(run)
+        losses.append(train_losses(lambda: step(qkv, proj, attend), opt, 50 if ON_GPU else 5))
     tol = 1e-2 if DTYPE == torch.bfloat16 else 1e-4
     for ours, theirs in zip(*losses):
         assert abs(ours - theirs) <= tol * abs(theirs), losses

@@ -29,7 +29,7 @@ def test_train_runs_eager_and_patched_with_the_same_losses(tmp_path):
     eager, fused = result["variants"]["eager"], result["variants"]["tilefuse"]
     assert eager["error"] is None and fused["error"] is None, result
     for a, b in zip(fused["loss_curve"], eager["loss_curve"]):
-        assert abs(a - b) <= 10 * REL_L2_BOUND[torch.float32] * abs(b)
+        assert abs(a - b) <= REL_L2_BOUND[torch.float32] * abs(b)
     assert fused["tokens_per_s"] > 0 and len(fused["loss_curve"]) == 2
     assert "train llama-1b" in model_bench.summary_text(result)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import tilefuse
-from helpers import ON_GPU, assert_close
+from helpers import ON_GPU, assert_close, train_losses
 from tilefuse.opspec import REL_L2_BOUND
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
@@ -119,14 +119,7 @@ def test_gradients_flow_and_training_matches():
             tilefuse.patch(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         x = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(2)).to(DEV, DTYPE)
-        run = []
-        for _ in range(3):
-            loss = model(x).float().square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            run.append(loss.item())
-        losses.append(run)
+        losses.append(train_losses(lambda: model(x).float().square().mean(), opt, 3))
     tol = 1e-2 if DTYPE == torch.bfloat16 else 1e-4
     for a, b in zip(*losses):
         assert abs(a - b) <= tol * abs(b), losses

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import tilefuse
-from helpers import ON_GPU
+from helpers import ON_GPU, train_losses
 from tilefuse import patching_hf
 from tilefuse.opspec import REL_L2_BOUND
 
@@ -140,7 +140,7 @@ def test_unpatch_restores_the_model_exactly_and_state_dicts_are_unchanged(device
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_model_patched_in_eval_mode_trains_like_the_unpatched_one(device, checkpointing):
-    """Three AdamW steps after model.train(): the losses follow the unpatched model's (fp32: tight)."""
+    """Three AdamW steps after model.train(): the losses follow the unpatched model's within the dtype's bound."""
     torch.manual_seed(0)
     ref = _model("llama", device)
     model = copy.deepcopy(ref)
@@ -152,15 +152,9 @@ def test_a_model_patched_in_eval_mode_trains_like_the_unpatched_one(device, chec
         if checkpointing:
             m.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        losses[name] = []
-        for _ in range(3):
-            loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses[name].append(loss.item())
+        losses[name] = train_losses(lambda: m(input_ids=ids, attention_mask=mask, labels=ids).loss, opt, 3)
     for a, b in zip(losses["patched"], losses["ref"]):
-        assert abs(a - b) <= 10 * REL_L2_BOUND[DTYPE] * abs(b), losses
+        assert abs(a - b) <= REL_L2_BOUND[DTYPE] * abs(b), losses
 
 
 def test_dropout_in_training_runs_as_hf_runs_it(device):
@@ -251,6 +245,11 @@ def test_packed_sequences_with_flash_offsets_run_as_one_varlen_call(device, monk
     with torch.no_grad():
         got = model(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                     max_length_q=7, max_length_k=7).logits
+        # HF's own helper gives the longest length as a tensor: read once, for both layers
+        cu2 = cu.clone()
+        got2 = model(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=cu2, cu_seq_lens_k=cu2,
+                     max_length_q=cu2.diff().max(), max_length_k=cu2.diff().max()).logits
         want = torch.cat([ref.double()(input_ids=s).logits for s in seqs], 1)
-    assert len(calls) == 2
+    assert len(calls) == 4 and cu2._tilefuse_longest == 7
     assert _rel(got, want) <= REL_L2_BOUND[DTYPE]
+    assert torch.equal(got2, got)

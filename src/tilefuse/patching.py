@@ -275,8 +275,8 @@ def _fuse_child_pair(parent, path, swaps, report, verify):
 
 
 def _fuse_sequential(seq, path, swaps, report, verify):
-    """Linear then an activation inside a Sequential: a tilefuse Linear with the activation fused, and the
-    activation slot replaced by Identity."""
+    """Linear (or GPT-2's Conv1D) then an activation inside a Sequential: the pair fused (a tilefuse Linear /
+    Conv1DLinear), and the activation slot replaced by Identity."""
     names = list(seq._modules)
     for first, second in zip(names, names[1:]):
         lin, act = seq._modules[first], seq._modules[second]
@@ -284,14 +284,13 @@ def _fuse_sequential(seq, path, swaps, report, verify):
         if isinstance(lin, torch.nn.Linear) and _is_lora(lin):
             report.skipped.append((prefix + first, "LoRA-wrapped Linear left alone"))
             continue
-        if type(lin) is not torch.nn.Linear:
-            continue
         activation = _activation_name(act)
-        if activation is None:
+        made = _fused_linear(lin, activation) if activation is not None else None
+        if made is None:
             continue
-        fused = tnn.Linear.from_linear(lin, activation)
+        fused, features = made
         pair = torch.nn.Sequential(lin, act)
-        ok, check = _verify(pair, fused, lin.in_features) if verify else (True, "not verified")
+        ok, check = _verify(pair, fused, features) if verify else (True, "not verified")
         if not ok:
             report.skipped.append((prefix + first, check))
             continue

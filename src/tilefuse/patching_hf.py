@@ -28,6 +28,7 @@ transformers is imported only for models that are transformers models.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 
@@ -83,14 +84,25 @@ def _packed_attention(query, key, value, cu_q, cu_k, kwargs, causal, scaling):
     ``max_length_q/k``): one attention_varlen call over the [total, H, d] views, each sequence attending only
     to its own keys (the mask HF made from the restarting position ids says the same, at N^2 cost)."""
     from tilefuse.ops.attention import attention_varlen
-
-    def longest(name, cu):
-        m = kwargs.get(name)
-        return int(m) if m is not None else int((cu[1:] - cu[:-1]).max())
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, H, d] views of [H, total, d]
-    out = attention_varlen(q, k, v, cu_q, cu_k, longest("max_length_q", cu_q), longest("max_length_k", cu_k),
-                           causal=causal, scale=scaling)
+    # The offsets come from HF's collator and are the same tensors in every layer: not validated here (a host
+    # sync per layer; the kernels clamp offsets, so bad ones never address outside q, k, v or out), and the
+    # longest sequence read once per offsets tensor when HF gives no Python int.
+    out = attention_varlen(q, k, v, cu_q, cu_k, _longest(kwargs.get("max_length_q"), cu_q),
+                           _longest(kwargs.get("max_length_k"), cu_k), causal=causal, scale=scaling, validate=False)
     return out[None], None
+
+
+def _longest(given, cu) -> int:
+    """The longest sequence: HF's Python int, else read once and kept on the offsets tensor itself (HF makes
+    fresh offsets for every batch and never rewrites them in place)."""
+    if isinstance(given, int):
+        return given
+    longest = getattr(cu, "_tilefuse_longest", None)
+    if longest is None:
+        longest = int(given) if given is not None else int((cu[1:] - cu[:-1]).max())
+        cu._tilefuse_longest = longest
+    return longest
 
 
 # ---- Q/K/V projections with RoPE and QK-norm in the epilogue ------------------------------------------------
@@ -276,11 +288,15 @@ def _fused_loss_call(model, args, kwargs, labels):
                                   attentions=getattr(outputs, "attentions", None))
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_names(cls) -> tuple:
+    return tuple(n for n in inspect.signature(cls.forward).parameters if n != "self")
+
+
 def fused_loss_forward(self, *args, **kwargs):
     """Training with labels: the loss by linear_cross_entropy and no logits; otherwise the model's forward."""
     if args:  # by name from here on: the base model's positional order differs from the LM's (labels, use_cache)
-        names = [n for n in inspect.signature(type(self).forward).parameters if n != "self"]
-        kwargs.update(zip(names, args))
+        kwargs.update(zip(_forward_names(type(self)), args))
     labels = kwargs.pop("labels", None)
     if labels is None or not self.training or kwargs.get("logits_to_keep", 0) != 0 \
             or kwargs.get("return_dict") is False:

@@ -430,9 +430,8 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
                         lambda: tuning.describe(cfg))
     dws, dbs = [none(), none()], [none(), none()]
     # Without an activation g is dy itself, already in HBM: db is its column sum, one read of dy (eager's
-    # own db). The dW kernel sums db only from a g it makes (dy * slope): with a loaded dy tile feeding both
-    # the dot and the elementwise sum, triton 3.6's sm_90 pipeline gives a wrong, run-to-run varying dW
-    # (rel-L2 3e-2 at M1024 K768 N3072 fp16 / bf16 on the H200; NOTES.md).
+    # own db). The dW kernel sums db only from a g it makes (dy * slope): a loaded dy tile feeding both the
+    # dot and the elementwise sum compiles wrong on sm_90 with triton 3.6 (NOTES.md).
     fused_db = need_db and slope is not None
     if need_db and not fused_db:
         dbs[0] = dy2d.sum(0, dtype=torch.float32).to(x.dtype)
@@ -533,8 +532,8 @@ LCE_CHUNK_BYTES = 128 * 2**20  # the one [T, VC] logits chunk of the backward (a
 LCE_GRAD_TILE = dict(BLOCK_M=32, BLOCK_V=128)
 LCE_STATS_TILE = dict(BLOCK_M=8, BLOCK_V=256)  # the chunked forward's row pass: 80 registers on sm_90a, no spills
 # The forward: "online" (lce_forward_kernel: logit tiles only on chip, tl.dot with pointer loads) or "chunked"
-# (cuBLAS GEMMs over vocabulary chunks, one [T, VC] chunk at a time, folded by a row pass). Not yet measured
-# against each other: benchmarks/cross_entropy_head.py times both; the faster becomes the one default.
+# (cuBLAS GEMMs over vocabulary chunks, one [T, VC] chunk at a time, folded by a row pass);
+# benchmarks/cross_entropy_head.py compares the two (NOTES.md).
 LCE_FORWARD = "online"
 
 
