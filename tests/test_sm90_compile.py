@@ -386,3 +386,7 @@ def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel):
         tile = LCE_GRAD_TILE
     facts = compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1)
     assert facts["spill_store_bytes"] == 0, facts
+    # One token, one chunk, the second chunk (split 1): integers a launch passes as 1 become constexprs
+    # unless the kernel pins them, and the kernel must still compile (split == 1 once did not).
+    compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1,
+                 ones=("M", "v0", "split", "splits") if kernel == "lce_chunk_stats_kernel" else ("M", "v0"))

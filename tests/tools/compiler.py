@@ -22,7 +22,7 @@ BENCHMARKS_DIR = os.path.join(REPO_DIR, "benchmarks")
 
 
 def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: dict, num_warps: int = 4,
-                 num_stages: int = 3, aligned: tuple = (), maxnreg: int | None = None) -> dict:
+                 num_stages: int = 3, aligned: tuple = (), maxnreg: int | None = None, ones: tuple = ()) -> dict:
     """Compile ``module.kernel`` (a @triton.jit function) for sm_90a.
 
     ``signature``: arg name -> triton type string ("*bf16", "i32", ...) for runtime args, or one pointer
@@ -33,17 +33,19 @@ def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: di
     child process without it. ``aligned``: runtime argument names to compile as multiples of 16 (as
     Triton specializes aligned pointers and strides at launch); without them loads are not vectorized
     and loops are not pipelined, so shared memory is under-counted for typical shapes. ``maxnreg``: the
-    config's register cap, if it has one.
+    config's register cap, if it has one. ``ones``: runtime integer arguments a launch may pass as 1: Triton's
+    launcher turns those into constexpr 1 unless the kernel lists them in ``do_not_specialize``, so they
+    compile that way here (a ``.to()`` on such an argument only fails then).
     """
     if _interpreting():
         return _compile_in_child(f"{module}.{kernel}", [
             "--triton", json.dumps([module, kernel, signature, constexprs, num_warps, num_stages, list(aligned),
-                                    maxnreg])])
+                                    maxnreg, list(ones)])])
     return _compile_here(getattr(importlib.import_module(module), kernel), signature, constexprs,
-                         num_warps, num_stages, tuple(aligned), maxnreg)
+                         num_warps, num_stages, tuple(aligned), maxnreg, tuple(ones))
 
 
-def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=(), maxnreg=None) -> dict:
+def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=(), maxnreg=None, ones=()) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -57,6 +59,10 @@ def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=(), 
         sig.update({k: v for k, v in signature.items() if k != "*"})
     else:
         sig = dict(signature)
+    pinned = {p.name for p in fn.params if p.do_not_specialize}
+    constexprs = {**constexprs, **{name: 1 for name in ones if name not in pinned}}
+    for name in constexprs:
+        sig.pop(name, None)
     # Constexpr parameters left out take their defaults, as a launch binds them (else they compile as None).
     constexprs = {**{p.name: p.default for p in fn.params
                      if p.is_constexpr and p.has_default and p.name not in constexprs and p.name not in sig},
@@ -205,6 +211,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "--gluon":
         print(json.dumps(compile_gluon_sm90(*json.loads(sys.argv[2]))))
     else:  # --triton
-        module, kernel, signature, constexprs, num_warps, num_stages, aligned, maxnreg = json.loads(sys.argv[2])
+        module, kernel, signature, constexprs, num_warps, num_stages, aligned, maxnreg, ones = json.loads(sys.argv[2])
         print(json.dumps(compile_sm90(module, kernel, signature, constexprs, num_warps, num_stages,
-                                      tuple(aligned), maxnreg)))
+                                      tuple(aligned), maxnreg, tuple(ones))))

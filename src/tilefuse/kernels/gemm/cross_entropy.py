@@ -111,7 +111,7 @@ def _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t,
     tl.store(base + 3 * plane, z_sum, mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["v0", "split", "splits"])  # split == 1 would become a constexpr (no .to)
 def lce_chunk_stats_kernel(
     z_ptr,                       # [M, VC] logits of vocabulary chunk ``split`` (bias added), from a GEMM
     target_ptr, part_ptr,        # part: fp32 [4, SPLITS, M], as lce_forward_kernel writes it
@@ -140,10 +140,10 @@ def lce_chunk_stats_kernel(
 def lce_logit_grad_kernel(
     z_ptr,                       # [M, VC] logits of one vocabulary chunk (bias added), overwritten with dz
     target_ptr, lse_ptr, dloss_ptr,  # per row: target (int), lse fp32, dloss fp32 (0 on rows with no gradient)
-    M, VC, V, v0, stride_zm, softcap, smoothing,
+    M, VC, V, v0, stride_zm, softcap, smoothing, scale,
     HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V)) (times 1 - tanh^2 under the
+    """scale * dz, dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V)) (times 1 - tanh^2 under the
     softcap) for a [BLOCK_M, BLOCK_V] tile of a chunk whose columns are vocabulary entries v0 + j, in place."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -165,4 +165,4 @@ def lce_logit_grad_kernel(
     dz = tl.where(dloss[:, None] != 0.0, dz, 0.0)  # rows with no gradient stay 0 even where p is NaN
     if HAS_SOFTCAP:
         dz = dz * (1.0 - t * t)
-    tl.store(ptrs, dz.to(z_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs, (dz * scale).to(z_ptr.dtype.element_ty), mask=mask)

@@ -530,6 +530,7 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
 
 LCE_CHUNK_BYTES = 128 * 2**20  # the one [T, VC] logits chunk of the backward (and of the chunked forward)
 LCE_GRAD_TILE = dict(BLOCK_M=32, BLOCK_V=128)
+LCE_FP16_SCALE = 2.0 ** 12  # fp16 dz chunk: |dz'| <= 4096, and softmax values down to 1.5e-8 stay normal
 LCE_STATS_TILE = dict(BLOCK_M=8, BLOCK_V=256)  # the chunked forward's row pass: 80 registers on sm_90a, no spills
 # The forward: "online" (lce_forward_kernel: logit tiles only on chip, tl.dot with pointer loads) or "chunked"
 # (cuBLAS GEMMs over vocabulary chunks, one [T, VC] chunk at a time, folded by a row pass);
@@ -555,6 +556,13 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
     V = w.shape[0]
     vc = lce_vocab_chunk(M, V, x2d.element_size())
     tile = LCE_GRAD_TILE
+    # fp16's exponent range: dloss * (softmax - onehot) is ~ 1 / (tokens * V) under "mean" and would be stored
+    # as a subnormal (a bit or two of precision). In fp16 the chunk holds dz / c * LCE_FP16_SCALE instead, c the
+    # largest |dloss| (a device scalar: no host synchronisation), and the GEMMs undo the scale in fp32.
+    scaled = x2d.dtype == torch.float16
+    if scaled:
+        c = dloss.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+        dloss = dloss / c
     dx = torch.zeros((M, K) if need_dx else (0,), dtype=torch.float32, device=x2d.device)
     dw = torch.empty((V, K) if need_dw else (0,), dtype=w.dtype, device=x2d.device)
     db = torch.empty((V,) if need_db else (0,), dtype=torch.float32, device=x2d.device)
@@ -563,14 +571,22 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
         z = torch.mm(x2d, w_c.t()) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c.t())
         n = z.shape[1]
         fastpath.launch(lce_logit_grad_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(n, tile["BLOCK_V"])), (
-            z, target, lse, dloss, M, n, V, v0, z.stride(0), float(softcap or 0.0), float(smoothing)),
+            z, target, lse, dloss, M, n, V, v0, z.stride(0), float(softcap or 0.0), float(smoothing),
+            LCE_FP16_SCALE if scaled else 1.0),
             dict(HAS_SOFTCAP=softcap is not None, **tile))
-        if need_dw:
-            torch.mm(z.t(), x2d, out=dw[v0:v0 + n])
+        alpha = 1.0 / LCE_FP16_SCALE if scaled else 1.0  # a power of two: exact
+        if need_dw:  # fp16: dW rows = c * (dz'^T x) / scale (dz'^T x / scale, i.e. dW / c, must fit fp16)
+            dw_c = dw[v0:v0 + n]
+            torch.addmm(dw_c, z.t(), x2d, beta=0, alpha=alpha, out=dw_c)
+            if scaled:
+                dw_c.mul_(c)
         if need_dx:
-            dx += torch.mm(z, w_c)
+            if scaled:
+                dx.addcmul_(torch.addmm(z.new_zeros(()), z, w_c, beta=0, alpha=alpha), c)
+            else:
+                dx += torch.mm(z, w_c)
         if need_db:
-            db[v0:v0 + n] = z.sum(0, dtype=torch.float32)
+            db[v0:v0 + n] = z.sum(0, dtype=torch.float32) * (c * alpha if scaled else 1.0)
     launches.record("linear_cross_entropy_backward", path, f"{cdiv(V, vc)} vocabulary chunks of {vc}: logits "
                     "recomputed (GEMM), dz in place, dW and dx GEMMs", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
     return (dx.to(x2d.dtype) if need_dx else dx, dw,
