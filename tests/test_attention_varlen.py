@@ -108,7 +108,9 @@ def test_bad_offsets_without_validation_stay_inside_the_tensors(device):
     on the GPU the compute-sanitizer run of these tests checks it). Decreasing offsets make two sequences
     claim the same rows, whose programs then race on those rows' outputs: the values are undefined there
     (out and lse may come from different sequences, so the gradients may overflow), as with FlashAttention;
-    what is promised is memory safety, and that the inputs are left as they were."""
+    what is promised is memory safety, and that the inputs are left as they were. Rows of a clamped sequence
+    longer than max_seqlen_q are never written either (the grid covers max_seqlen_q rows per sequence): the
+    H200 left uninitialised values there."""
     q, k, v = _packed(device)
     total_q, total_k = q.shape[0], k.shape[0]
     cq = torch.tensor([0, total_q + 50, 3, -7, total_q, 10 * total_q], dtype=torch.int32, device=device)
@@ -119,7 +121,7 @@ def test_bad_offsets_without_validation_stay_inside_the_tensors(device):
     out.float().sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    assert out.shape == q.shape and torch.isfinite(out).all()  # every row is some clamped sequence's
+    assert out.shape == q.shape
     assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
     assert all(torch.equal(a.detach(), b) for a, b in zip(leaves, (q, k, v)))
     assert torch.equal(cq, offsets[0]) and torch.equal(ck, offsets[1])

@@ -109,11 +109,19 @@ def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter) ->
         with launches.recording() as recs, _quiet_interpreter_math():
             out = spec.fused(**inputs)
         row["config"] = describe_launches(recs)
-        ref = spec.reference(**to_float64(inputs))
-        st = error_stats(out, ref)
+        try:
+            ref = spec.reference(**to_float64(inputs))
+        except torch.OutOfMemoryError:  # e.g. attention's float64 scores at N 16k: this row's times still count
+            ref = None
+            torch.cuda.empty_cache()
+        if ref is None:
+            row.update(rel_l2=None, max_abs=None, bound=spec.tolerance(params), accuracy_pass=None,
+                       accuracy_note="float64 reference does not fit in device memory at this shape")
+        else:
+            st = error_stats(out, ref)
+            row.update(rel_l2=st.rel_l2, max_abs=st.max_abs, bound=spec.tolerance(params),
+                       accuracy_pass=st.ok(spec.tolerance(params)))
         del ref, out
-        row.update(rel_l2=st.rel_l2, max_abs=st.max_abs, bound=spec.tolerance(params),
-                   accuracy_pass=st.ok(spec.tolerance(params)))
         if device.type != "cuda":
             row["ms"] = None
             return row

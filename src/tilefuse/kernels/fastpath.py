@@ -38,6 +38,7 @@ from triton.runtime.driver import driver
 
 from tilefuse import runtime
 from tilefuse.kernels import launches
+from tilefuse.kernels.tiling import ensure_descriptor_allocator
 
 if runtime.interpreter_enabled():  # every launch passes through this module: give the CPU path GPU rounding
     from tilefuse.kernels.interpreter import round_bf16_to_nearest
@@ -103,15 +104,19 @@ class _Step:
 class Plan:
     """A replayable call: the outputs to allocate and the launches to issue."""
 
-    __slots__ = ("outputs", "steps", "stream", "records", "single")
+    __slots__ = ("outputs", "steps", "stream", "records", "single", "scratch")
 
     def __init__(self, outputs, steps, stream, records, single):
         self.outputs, self.steps, self.stream, self.records, self.single = outputs, steps, stream, records, single
+        # A replay on another thread (autograd's backward, a loader) must set that thread's allocator too.
+        self.scratch = any(getattr(s.compiled.metadata, "global_scratch_size", 0) for s in steps)
 
     def current(self) -> bool:
         return all(s.current() for s in self.steps)
 
     def __call__(self, inputs):
+        if self.scratch:  # Triton's launcher takes the kernel's global scratch from this thread's allocator
+            ensure_descriptor_allocator()
         device = inputs[0].device
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.outputs]
         ptrs = [None if t is None else t.data_ptr() for t in inputs] + [t.data_ptr() for t in outs]
