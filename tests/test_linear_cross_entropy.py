@@ -125,12 +125,13 @@ def test_backward_over_several_vocabulary_chunks(device, monkeypatch, smoothing,
         assert torch.equal(got, again), f"{name} differs run to run"
 
 
-@pytest.mark.parametrize("softcap", [None, 5.0])
-def test_chunked_forward_matches_the_online_one(device, monkeypatch, softcap):
-    """The forward over cuBLAS-made vocabulary chunks folds the same partials as the on-chip one: losses and
-    lse agree with float64 over three chunks (the last partial), label smoothing and bias included."""
+@pytest.mark.parametrize("forward,softcap", [("chunked", None), ("chunked", 5.0), ("online", None), ("online", 5.0)])
+def test_both_forwards_match_float64(device, monkeypatch, forward, softcap):
+    """Both forwards fold the same partials -- over cuBLAS-made vocabulary chunks (the default) and on chip:
+    losses and lse agree with float64 over three chunks / vocabulary slices (the last partial), label
+    smoothing and bias included."""
     from tilefuse.kernels.gemm import launch
-    monkeypatch.setattr(launch, "LCE_FORWARD", "chunked")
+    monkeypatch.setattr(launch, "LCE_FORWARD", forward)
     x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=5)
     got, lse = tilefuse.linear_cross_entropy(x, w, target, b, reduction="none", label_smoothing=0.1,
                                              softcap=softcap, return_lse=True)

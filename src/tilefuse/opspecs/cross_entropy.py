@@ -94,23 +94,25 @@ def _anchors(params):
 
 def _bytes(params):
     """fused: x, W (and b) read, dx and dW written; the backward's vocabulary chunks (each [T, VC] written by
-    its GEMM, read and rewritten as dz, read by the dW and dx GEMMs: 5 passes over T x V in all) and the fp32
-    dx accumulator read and written once per chunk. Eager writes the fp32 logits, reads them for the softmax
-    and its gradient, and writes and reads that gradient."""
-    from tilefuse.kernels.gemm.launch import lce_vocab_chunk
+    its GEMM, read and rewritten as dz, read by the dW and dx GEMMs: 5 passes over T x V in all), the chunked
+    forward's (written by the GEMM, read by the row pass: 2 more; the online forward keeps its tiles on chip)
+    and the fp32 dx accumulator read and written once per chunk. Eager writes the fp32 logits, reads them for
+    the softmax and its gradient, and writes and reads that gradient."""
+    from tilefuse.kernels.gemm import launch
     M, K, V = params["shape"]
     s = params["dtype"].itemsize
     operands = (2 * M * K + 2 * V * K) * s
-    chunks = -(-V // lce_vocab_chunk(M, V, s))
-    fused = operands + 5 * M * V * s + 2 * M * K * 4 * chunks
+    chunks = -(-V // launch.lce_vocab_chunk(M, V, s))
+    passes = 7 if launch.LCE_FORWARD == "chunked" else 5
+    fused = operands + passes * M * V * s + 2 * M * K * 4 * chunks
     logits = 4 * M * V * 4
     return {"fused": fused, "unfused": max(fused, operands + logits)}
 
 
 LINEAR_CROSS_ENTROPY = OpSpec(
     name="linear_cross_entropy",
-    summary=("cross_entropy(x @ W^T + b, target), forward + backward, no [tokens, V] tensor: online lse over "
-             "vocabulary slices, the backward over vocabulary chunks (logits recomputed, dz in place, dW and dx GEMMs)"),
+    summary=("cross_entropy(x @ W^T + b, target), forward + backward, no [tokens, V] tensor: lse over vocabulary "
+             "chunks, the backward over the same chunks (logits recomputed, dz in place, dW and dx GEMMs)"),
     fused=_fused,
     reference=_reference,
     make_inputs=make_inputs,
