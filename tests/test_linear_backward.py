@@ -170,3 +170,71 @@ def test_training_step_of_a_module_in_a_cuda_graph():
         model(static_x).backward(static_dy)
         for g, p in zip(got, model.parameters()):
             assert torch.equal(g, p.grad), "replayed step differs from the eager step"
+
+
+def _pinned_backward(monkeypatch, config):
+    """Both backward GEMMs launched with ``config`` (a triton.Config of the portable space) instead of the
+    tuner's choice: GPU tests pin every kernel to its first config, and the tuner may pick any other."""
+    from tilefuse.kernels import fastpath
+    from tilefuse.kernels.gemm import launch
+
+    calls = []
+
+    def pinned(kernel, tuned, args, flags, interpret, grid):
+        calls.append(kernel)
+        meta = dict(config.kwargs)
+        launch_flags = dict(flags, UPCAST_DOT=flags.get("UPCAST_DOT", False) and interpret, **meta)
+        if not interpret:
+            launch_flags.update(num_warps=config.num_warps, num_stages=config.num_stages)
+        fastpath.launch(kernel, grid(meta), args, launch_flags)
+        return config
+    monkeypatch.setattr(launch, "_launch_backward", pinned)
+    fastpath.clear_all()  # no replay of a plan captured with another config
+    return calls
+
+
+def _backward_cases():
+    from tilefuse.kernels.gemm import configs
+    acts = ("gelu_tanh", None, "swiglu") if ON_GPU else ("gelu_tanh",)
+    return [(i, a) for i in range(len(configs.PORTABLE_GEMM_CONFIGS)) for a in acts]
+
+
+@pytest.mark.parametrize("index,activation", _backward_cases())
+def test_every_backward_config_matches_float64(device, monkeypatch, index, activation):
+    """dx, dW and db through each config of the backward GEMMs' space, pinned, on tails against every tile
+    size in it (M 130, N 264, K 96, bias): the first config is the only one the pinned GPU tests run
+    otherwise, and the tuner (and the shipped table) may choose any. Configs the launch would prune for a
+    case are skipped for it."""
+    from tilefuse.kernels.gemm import configs
+    config = configs.PORTABLE_GEMM_CONFIGS[index]
+    gated = activation == "swiglu"
+    dy_probe = torch.empty(1, dtype=DTYPE)
+    precision = "ieee" if DTYPE == torch.float32 else "tf32"
+    if config not in configs.prune_backward_configs([config], {"dy_ptr": dy_probe}, HAS_SLOPE=activation is not None,
+                                                    INPUT_PRECISION=precision):
+        pytest.skip("pruned for this dtype")  # the prune keeps the smallest config when none fits: never here
+    calls = _pinned_backward(monkeypatch, config)
+    m, k, n = 130, 96, 264
+    x = _r(m, k, device=device)
+    w = _r(n, k, seed=1, scale=k ** -0.5, device=device)
+    b = _r(n, seed=2, device=device)
+    dy = _r(m, n, seed=3, device=device)
+    weights, biases = ((w, _r(n, k, seed=4, scale=k ** -0.5, device=device)), (b, _r(n, seed=5, device=device))) \
+        if gated else ((w,), (b,))
+    leaves = _leaves(x, *weights, *biases)
+    nw = len(weights)
+
+    def run(x, *rest, fn):
+        ws, bs = rest[:nw], rest[nw:]
+        return fn(x, ws if gated else ws[0], bs if gated else bs[0], activation)
+    run(*leaves, fn=tilefuse.linear).backward(dy)
+    assert len(calls) == 1 + nw, calls  # dx, and dW per weight, all through the pinned config
+    want = _ref_grads(lambda *t: run(*t, fn=_reference_linear), [x, *weights, *biases], dy)
+    for got, ref, name in zip(leaves, want, ["dx"] + [f"dW{i}" for i in range(nw)] + [f"db{i}" for i in range(nw)]):
+        assert_close(got.grad, ref, BOUND, f"{config} {activation} {name}")
+
+
+def _reference_linear(x, w, b, activation):
+    if isinstance(w, tuple):
+        return reference.gated_linear(x, w[0], w[1], b[0], b[1], activation)
+    return reference.linear(x, w, b, activation)
