@@ -238,3 +238,69 @@ def _reference_linear(x, w, b, activation):
     if isinstance(w, tuple):
         return reference.gated_linear(x, w[0], w[1], b[0], b[1], activation)
     return reference.linear(x, w, b, activation)
+
+
+class _PinnedTuner:
+    """Stands in for the portable GEMM's tuner: launches its kernel with one config."""
+
+    def __init__(self, fn, config):
+        self.fn, self.config, self.launches = fn, config, 0
+
+    def __getitem__(self, grid):
+        meta = dict(self.config.kwargs)
+
+        def run(*args, **kwargs):
+            self.launches += 1
+            return self.fn[grid(meta) if callable(grid) else grid](
+                *args, **kwargs, **meta, num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+        return run
+
+    def launched_config(self):
+        return self.config
+
+
+def _portable_cases():
+    from tilefuse.kernels.gemm import configs
+    acts = ("gelu_tanh", None) if ON_GPU else ("gelu_tanh",)
+    return [(i, a) for i in range(len(configs.PORTABLE_GEMM_CONFIGS)) for a in acts]
+
+
+@pytest.mark.parametrize("index,activation", _portable_cases())
+def test_every_portable_config_trains_a_conv1d_layout_weight(device, monkeypatch, index, activation):
+    """GPT-2's Conv1D keeps W as [K, N], so tilefuse.linear reads its transposed view and takes the portable
+    GEMM (TMA needs unit inner strides), whose tuner picks a config per row-count bucket. Each config of
+    its space, pinned in the training forward (slope saved) and in both backward GEMMs: y, dx, dW (in the
+    [K, N] layout) and db within the bound on tails, against float64."""
+    from tilefuse.kernels import fastpath
+    from tilefuse.kernels.gemm import configs, launch
+    config = configs.PORTABLE_GEMM_CONFIGS[index]
+    m, k, n = 130, 96, 264
+    probe = {"x_ptr": torch.empty(1, dtype=DTYPE)}
+    precision = "ieee" if DTYPE == torch.float32 else "tf32"
+    if config not in configs.prune_portable_configs([config], probe, INPUT_PRECISION=precision):
+        pytest.skip("pruned for this dtype")
+    monkeypatch.setattr(fastpath, "signature", lambda *a, **k: None)  # every call takes the full path
+    monkeypatch.setattr(launch, "split_k_slices", lambda *a, **k: 1)  # the portable kernel itself, not split-K
+    if ON_GPU:
+        pinned = _PinnedTuner(launch.linear_portable_tuned.fn, config)
+        monkeypatch.setattr(launch, "linear_portable_tuned", pinned)
+    else:
+        monkeypatch.setattr(configs, "INTERPRETER_GEMM", dict(config.kwargs))
+    calls = _pinned_backward(monkeypatch, config)
+    x = _r(m, k, device=device)
+    w_kn = _r(k, n, seed=1, scale=k ** -0.5, device=device)  # Conv1D's storage
+    b = _r(n, seed=2, device=device)
+    dy = _r(m, n, seed=3, device=device)
+    xl, wl, bl = _leaves(x, w_kn, b)
+    y = tilefuse.linear(xl, wl.t(), bl, activation)
+    y.backward(dy)
+    if ON_GPU:
+        assert pinned.launches == 1
+    assert len(calls) == 2  # dx and dW through the pinned config
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w_kn, b)]
+    want_y = reference.linear(ref_leaves[0], ref_leaves[1].t(), ref_leaves[2], activation)
+    want_y.backward(dy.double())
+    assert_close(y, want_y, BOUND, f"{config} {activation} y")
+    assert wl.grad.stride() == w_kn.stride()
+    for got, ref, name in zip((xl, wl, bl), ref_leaves, ("dx", "dW", "db")):
+        assert_close(got.grad, ref.grad, BOUND, f"{config} {activation} {name}")
