@@ -8,7 +8,8 @@
 # tests matching SAN_K (default test_linear),
 # CACHE_OUT=1 to return the Triton cache, a carried .carry/results*.log to skip tests that passed in an
 # earlier call (each call writes $OUT/results.log: outcome, seconds and id of every test as it ends),
-# TEST_K a pytest -k expression for the tests, TEST_FILES the test files (default: tests),
+# TEST_K a pytest -k expression for the tests, TEST_FILES the test files (default: tests; the registry grid
+# runs after the other files, REGISTRY_AFTER_SHARE percent of the tests' time given to those first),
 # TILEFUSE_REGISTRY_STRIDE=k to run every k-th registry-grid case (tests/conftest.py),
 # HOST_PER_OP=1 to time the host side of every op first (benchmarks/host_per_op.py: this tree with and
 # without the launch layer's fast path, and the tree carried in .carry/old/src when there is one),
@@ -50,10 +51,35 @@ if [ "${TESTS:-1}" = 1 ]; then
   # the report below.
   # Resume: tests recorded as passed in carried result logs (.carry/results*.log) are not run again.
   SKIP_PASSED=$(ls .carry/results*.log 2>/dev/null | paste -sd: -)
-  TILEFUSE_SKIP_PASSED="$SKIP_PASSED" TILEFUSE_RESULT_LOG="$OUT/results.log" \
-  TILEFUSE_FAIL_LOG="$OUT/failures.log" TILEFUSE_AUTOTUNE=0 timeout "${TESTS_LIMIT:-$(( $(left) / 2 ))}" python3 -m pytest -q -n "${WORKERS:-12}" --dist loadgroup -p no:cacheprovider ${TEST_FILES:-tests} ${K_EXPR:+-k "$K_EXPR"} \
-    --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
-  echo "tests exit: $?" >> "$OUT/tests.log"
+  TESTS_END=$(( $(date +%s) + ${TESTS_LIMIT:-$(( $(left) / 2 ))} ))
+  # The registry grid (tests/test_registry_ops.py) runs after the other files: xdist schedules its grouped
+  # cases first, and alone it fills any time limit. The other files get REGISTRY_AFTER_SHARE percent of the
+  # tests' time (default 50) and hand back what they leave.
+  FILES=${TEST_FILES:-tests}
+  OTHERS=() REGISTRY=()
+  for f in $FILES; do
+    case "$f" in
+      tests|tests/) OTHERS+=(tests --ignore=tests/test_registry_ops.py); REGISTRY+=(tests/test_registry_ops.py) ;;
+      *test_registry_ops.py) REGISTRY+=("$f") ;;
+      *) OTHERS+=("$f") ;;
+    esac
+  done
+  run_tests() {  # $1: seconds, $2: log suffix, then the files
+    local limit=$1 tag=$2; shift 2
+    TILEFUSE_SKIP_PASSED="$SKIP_PASSED" TILEFUSE_RESULT_LOG="$OUT/results.log" \
+    TILEFUSE_FAIL_LOG="$OUT/failures.log" TILEFUSE_AUTOTUNE=0 timeout "$limit" python3 -m pytest -q -n "${WORKERS:-12}" --dist loadgroup -p no:cacheprovider "$@" ${K_EXPR:+-k "$K_EXPR"} \
+      --junitxml="$OUT/tests$tag.xml" >> "$OUT/tests.log" 2>&1
+    echo "tests$tag exit: $?" >> "$OUT/tests.log"
+  }
+  : > "$OUT/tests.log"
+  if [ ${#OTHERS[@]} -gt 0 ]; then
+    share=$(( (TESTS_END - $(date +%s)) * ${REGISTRY_AFTER_SHARE:-50} / 100 ))
+    [ ${#REGISTRY[@]} -eq 0 ] && share=$(( TESTS_END - $(date +%s) ))
+    run_tests "$share" "" "${OTHERS[@]}"
+  fi
+  if [ ${#REGISTRY[@]} -gt 0 ] && [ $(( TESTS_END - $(date +%s) )) -gt 10 ]; then
+    run_tests "$(( TESTS_END - $(date +%s) ))" "_registry" "${REGISTRY[@]}"
+  fi
   tail -3 "$OUT/tests.log"
 fi
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
