@@ -321,6 +321,10 @@ def test_attention_backward_compiles_for_sm90(kernel, d):
                          cfg["num_stages"], aligned=aligned)
     assert facts["shared"] <= SMEM_LIMIT, facts
     assert facts["wgmma"] == (cfg["BLOCK_M"] >= 64), facts
+    if kernel == "attention_bwd_dkdv_kernel" and d <= 128:
+        # Keys as rows (S^T = K Q^T): P^T and dS^T feed dV and dK from registers. Recomputing S = Q K^T and
+        # transposing P and dS through shared memory spilled 76 bytes at d 128.
+        assert facts["spill_store_bytes"] <= (0 if d == 64 else 8), facts
 
 
 @pytest.mark.parametrize("kernel", ["attention_fwd_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"])

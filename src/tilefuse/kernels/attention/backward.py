@@ -10,7 +10,8 @@ Three kernels, none with atomics, so the gradients are bit-identical run to run:
 - ``attention_bwd_rowdot_kernel``: D per query row (reads dO and O once).
 - ``attention_bwd_dkdv_kernel``: one program per (key block, batch, KV head) walks the query blocks that
   see its keys, for every query head of its GQA group, accumulating dK and dV in registers (the group's
-  sum happens on chip).
+  sum happens on chip). It recomputes S^T = K Q^T (keys as rows), so P^T and dS^T leave their dots in the
+  layout wgmma takes as a register operand for dV += P^T dO and dK += dS^T Q.
 - ``attention_bwd_dq_kernel``: one program per (query block, batch, query head) walks its key tiles
   (the forward's ranges) accumulating dQ.
 HBM bytes (element size s): Q, K, V, O, dO read (dkdv: Q, dO once per KV head group member; dq: K, V
@@ -185,19 +186,24 @@ def attention_bwd_dkdv_kernel(
                 mask_tile = tl.load(mask_base + offs_m.to(tl.int64)[:, None] * stride_maskm
                                     + offs_n[None, :] * stride_maskn,
                                     mask=mask_m[:, None] & mask_n[None, :], other=0)
-            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]
-            p, chain = _probabilities(s, lse2, offs_m, offs_n, offs_m + pos_offset, N_Q, N_K, window_left,
-                                      window_right, mask_tile, softcap_log2, alibi_log2, HAS_LEFT, HAS_RIGHT,
-                                      HAS_MASK, MASK_IS_BOOL, HAS_SOFTCAP, HAS_ALIBI)
-            p_op = p.to(op_dtype)
-            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)                # [BLOCK_M, BLOCK_N]
-            ds = p * (dp - delta[:, None]) * chain
-            ds_op = ds.to(op_dtype)
+            # Keys as rows: S^T = K Q^T, so P^T and dS^T come out of their dots in the layout wgmma takes
+            # as its register A operand for dV += P^T dO and dK += dS^T Q (no trip through shared memory).
+            s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale   # [BLOCK_N, BLOCK_M]
+            p, chain = _probabilities(tl.trans(s_t), lse2, offs_m, offs_n, offs_m + pos_offset, N_Q, N_K,
+                                      window_left, window_right, mask_tile, softcap_log2, alibi_log2, HAS_LEFT,
+                                      HAS_RIGHT, HAS_MASK, MASK_IS_BOOL, HAS_SOFTCAP, HAS_ALIBI)
+            p_t = tl.trans(p)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)             # [BLOCK_N, BLOCK_M]
+            ds_t = p_t * (dp_t - delta[None, :])
+            if HAS_SOFTCAP:
+                ds_t = ds_t * tl.trans(chain)
+            p_op = p_t.to(op_dtype)
+            ds_op = ds_t.to(op_dtype)
             if UPCAST_DOT:
                 p_op = p_op.to(tl.float32)
                 ds_op = ds_op.to(tl.float32)
-            dv = tl.dot(tl.trans(p_op), do, dv, input_precision=INPUT_PRECISION)
-            dk = tl.dot(tl.trans(ds_op), q, dk, input_precision=INPUT_PRECISION)
+            dv = tl.dot(p_op, do, dv, input_precision=INPUT_PRECISION)
+            dk = tl.dot(ds_op, q, dk, input_precision=INPUT_PRECISION)
 
     dk = dk * scale
     tl.store(_tile_ptrs(dk_ptr, b, h_kv, stride_dkb, stride_dkh, row0_k + offs_n, stride_dkn, offs_d, stride_dkd),
