@@ -101,6 +101,8 @@ def _facts(kernel) -> dict:
     return {"regs": int(regs.group(1)) if regs else None, "spill_store_bytes": max(spills, default=0),
             "shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "wgmma_a_in_registers": a_in_registers,
             "atomics": sorted(set(re.findall(r"\batom\.[\w.:]+", ptx))),
+            # Global loads one 16-bit element at a time (a tile load the compiler could not vectorize).
+            "scalar_16bit_loads": len(re.findall(r"\bld\.global(?:\.\w+)*\.b16\b", ptx)),
             # Warp specialization: partitions in the TTGIR, and the register moves between them.
             "warp_specialized": "ttg.warp_specialize" in ttgir,
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),

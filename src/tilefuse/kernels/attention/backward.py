@@ -41,6 +41,15 @@ def _tile_ptrs(ptr, b, h, stride_b, stride_h, offs_rows, stride_rows, offs_d, st
 
 
 @triton.jit
+def _head_mask(offs_d, HEAD_DIM, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The head-dim columns in use. With EVEN_D (d == BLOCK_D) a constant-true mask: a runtime bound on the
+    contiguous dimension keeps the compiler from vectorizing the tile loads (16-bit loads, one element each)."""
+    if EVEN_D:
+        return offs_d < BLOCK_D
+    return offs_d < HEAD_DIM
+
+
+@triton.jit
 def _row_terms(lse_ptr, delta_ptr, rows, mask):
     """(lse in the log2 domain, +inf where the row saw no key, so its P is 0; delta) for flat row indices."""
     lse = tl.load(lse_ptr + rows, mask=mask, other=float("-inf"))
@@ -53,7 +62,7 @@ def attention_bwd_rowdot_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     H_Q, N_Q, HEAD_DIM,
-    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DLSE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """delta[b, h, m] = sum_d dO * O - dlse (fp32): the row term of dS = P * (dP - delta)."""
     pid_m = tl.program_id(0)
@@ -62,7 +71,7 @@ def attention_bwd_rowdot_kernel(
     h = pid_bh % H_Q
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m < N_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    mask = (offs_m < N_Q)[:, None] & _head_mask(offs_d, HEAD_DIM, EVEN_D, BLOCK_D)[None, :]
     o = tl.load(_tile_ptrs(o_ptr, b, h, stride_ob, stride_oh, offs_m, stride_om, offs_d, stride_od), mask=mask,
                 other=0.0)
     do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, offs_m, stride_dom, offs_d, stride_dod), mask=mask,
@@ -118,7 +127,7 @@ def attention_bwd_dkdv_kernel(
     cu_q_ptr, cu_k_ptr,  # VARLEN: as the forward (tensors viewed [1, H, total, d], lse and delta [Hq, total_q])
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -134,7 +143,7 @@ def attention_bwd_dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < N_K
-    mask_d = offs_d < HEAD_DIM
+    mask_d = _head_mask(offs_d, HEAD_DIM, EVEN_D, BLOCK_D)
     kv_mask = mask_n[:, None] & mask_d[None, :]
     k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, row0_k + offs_n, stride_kn, offs_d, stride_kd),
                 mask=kv_mask, other=0.0)
@@ -227,7 +236,7 @@ def attention_bwd_dq_kernel(
     cu_q_ptr, cu_k_ptr,  # VARLEN: as the forward (tensors viewed [1, H, total, d], lse and delta [Hq, total_q])
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -246,7 +255,7 @@ def attention_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < N_Q
-    mask_d = offs_d < HEAD_DIM
+    mask_d = _head_mask(offs_d, HEAD_DIM, EVEN_D, BLOCK_D)
     qm = mask_m[:, None] & mask_d[None, :]
     q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, row0_q + offs_m, stride_qm, offs_d, stride_qd), mask=qm,
                 other=0.0)

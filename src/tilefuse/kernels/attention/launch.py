@@ -324,11 +324,17 @@ def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
     if elem_bytes == 4:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    # 16-bit, d 64 / 128: dQ pipelines its K, V tiles over 2 stages; dK/dV, which holds two [64, d] fp32
+    # accumulators beside the score tiles, spills at 2 stages once its loads are vectorized (d == BLOCK_D:
+    # 40 / 84 bytes on sm_90a) and not at 1 (218 / 255 registers): see BACKWARD_DKDV_STAGES.
     if block_d <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     if block_d <= 128:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
     return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
+
+
+BACKWARD_DKDV_STAGES = 1  # the dK/dV kernel's pipeline depth on 16-bit 64-row tiles (backward_config)
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int, window_left: int,
@@ -362,7 +368,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     rows = 64
     fastpath.launch(attention_bwd_rowdot_kernel, (cdiv(Nq, rows), B * Hq), (
         out, dout, dlse if dlse is not None else delta, delta, *out.stride(), *dout.stride(), Hq, Nq, d),
-        dict(HAS_DLSE=dlse is not None, BLOCK_M=rows, BLOCK_D=block_d))
+        dict(HAS_DLSE=dlse is not None, EVEN_D=d == block_d, BLOCK_M=rows, BLOCK_D=block_d))
     has_mask = mask is not None
     mask_is_bool = has_mask and mask.dtype == torch.bool
     if mask_is_bool:
@@ -372,7 +378,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     cfg = backward_config(block_d, q.element_size(), interpret)
     flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_MASK=has_mask,
                  MASK_IS_BOOL=mask_is_bool, HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi is not None,
-                 INPUT_PRECISION=precision, UPCAST_DOT=upcast, BLOCK_D=block_d, **cfg)
+                 INPUT_PRECISION=precision, UPCAST_DOT=upcast, EVEN_D=d == block_d, BLOCK_D=block_d, **cfg)
     qk_scale, softcap_log2 = modifier_args(scale, softcap)
     positions = (qk_scale, scale, pos_offset, max(window_left, 0), max(window_right, 0), softcap_log2,
                  alibi if alibi is not None else delta, *(alibi.stride() if alibi is not None else (0, 0)),
@@ -381,11 +387,14 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     seqs, rows_q, rows_k = B, Nq, Nk
     if varlen is not None:
         seqs, rows_q, rows_k = varlen[0].shape[0] - 1, varlen[2], varlen[3]
+    dkdv_flags = flags
+    if not interpret and q.element_size() == 2 and cfg["BLOCK_M"] == 64:
+        dkdv_flags = dict(flags, num_stages=BACKWARD_DKDV_STAGES)
     fastpath.launch(attention_bwd_dkdv_kernel, (cdiv(rows_k, cfg["BLOCK_N"]), seqs * Hkv), (
         q, k, v, dout, lse, delta, mask_arg, dk, dv,
         *[s for t in (q, k, v, dout) for s in _strides(t, varlen)], *mask_strides,
         *_strides(dk, varlen), *_strides(dv, varlen),
-        Hq, Hkv, Nq, Nk, d, Hq // Hkv, *positions), flags)
+        Hq, Hkv, Nq, Nk, d, Hq // Hkv, *positions), dkdv_flags)
     fastpath.launch(attention_bwd_dq_kernel, (cdiv(rows_q, cfg["BLOCK_M"]), seqs * Hq), (
         q, k, v, dout, lse, delta, mask_arg, dq,
         *[s for t in (q, k, v, dout) for s in _strides(t, varlen)], *mask_strides, *_strides(dq, varlen),
