@@ -365,6 +365,25 @@ def test_qkv_projection_compiles_to_wgmma(rope, norm):
     assert facts["wgmma"], facts
 
 
+@pytest.mark.parametrize("d,rope,norm,interleaved", [(64, True, False, False), (128, False, False, False),
+                                                     (128, True, False, False), (128, True, True, False),
+                                                     (128, True, False, True), (256, True, True, False)])
+def test_qkv_projection_head_kernel_compiles_without_spills(d, rope, norm, interleaved):
+    """The one-loop QKV kernel (the head's d columns in one accumulator, the RoPE pairs split in registers), as
+    launch.qkv_projection launches it (4 warps, 8 at d 256; 3 stages; 64 rows): wgmma, no spill, 16-byte tile
+    loads. The three-part kernel spilled 436-644 bytes at d 128, with 128 one-element loads under RoPE."""
+    consts = dict(HAS_BIAS=True, HAS_ROPE=rope, INTERLEAVED=interleaved, HAS_NORM=norm, INPUT_PRECISION="tf32",
+                  UPCAST_DOT=False, BLOCK_M=64, BLOCK_D=d, BLOCK_K=64)
+    sig = {"*": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"}
+    aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "norm_w_ptr", "K", "HEAD_DIM", "stride_xm",
+               "stride_wn", "stride_ob", "stride_oh", "stride_on", "stride_cb", "stride_cn")
+    facts = compile_sm90("tilefuse.kernels.gemm.qkv", "qkv_projection_head_kernel", sig, consts, 8 if d >= 256 else 4,
+                         3, aligned=aligned)
+    assert facts["wgmma"], facts
+    assert facts["spill_store_bytes"] == 0, facts
+    assert facts["scalar_16bit_loads"] <= 2, facts  # the 1-D bias and norm-weight vectors at most (tiles: 16 B)
+
+
 @pytest.mark.parametrize("kernel", ["qkv", "lce_forward"])
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 def test_fp32_gemm_kernels_honour_the_input_precision(kernel, precision):

@@ -599,28 +599,45 @@ def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inter
     """q, k, v (``outs``, each with its [B, H, N, d] or [B, N, H, d] strides) of x2d [M = B * N, K] (unit column
     stride) by qkv.py: one launch per projection, RoPE (``rotary`` (cos, sin) [N, r] or [B, N, r], or None)
     and QK-norm (``qk_norm`` (q weight, k weight, eps) or None) on q and k."""
-    from tilefuse.kernels.gemm.qkv import qkv_projection_kernel
+    from tilefuse.kernels.gemm.qkv import qkv_projection_head_kernel, qkv_projection_kernel
 
     M, K = x2d.shape
     interpret = path == runtime.INTERPRETER
     tile = dict(BLOCK_M=64, BLOCK_K=32 if interpret else 64)
+    forms = []
     for i, (w, b, h, out) in enumerate(zip(weights, biases, heads, outs)):
         qk = i < 2
         use_rope = qk and rotary is not None
         rot = rotary[0].shape[-1] if use_rope else 0  # v is never rotated: all its columns pass through
-        block_r = max(16, sizes.next_pow2(max(rot // 2, 1)))
-        block_p = max(16, sizes.next_pow2(max(head_dim - rot, 1)))
         use_norm = qk and qk_norm is not None
         cos, sin = rotary if use_rope else (x2d, x2d)
         stride_cb, stride_cn = ((cos.stride(0), cos.stride(1)) if cos.dim() == 3 else (0, cos.stride(0))) \
             if use_rope else (0, 0)
         norm_w = qk_norm[i] if use_norm else x2d
+        flags = dict(HAS_BIAS=b is not None, HAS_ROPE=use_rope, INTERLEAVED=bool(interleaved), HAS_NORM=use_norm,
+                     INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
+                     UPCAST_DOT=interpret and x2d.dtype == torch.bfloat16, **tile)
+        block_d = max(16, sizes.next_pow2(head_dim))
+        common = (M, seq_len, K, head_dim)
+        strides = (x2d.stride(0), w.stride(0), out.stride(0), out.stride(1), out.stride(2), stride_cb, stride_cn,
+                   float(qk_norm[2]) if use_norm else 0.0)
+        if not use_rope or rot == head_dim == block_d:
+            # One K loop over the head's columns (RoPE, if any, over all of them: the pairs split in registers).
+            # sm_90a, 64 rows: 132-168 registers and no spill at d <= 128 with 4 warps; d 256 takes 8.
+            launch_opts = {} if interpret else dict(num_warps=8 if block_d >= 256 else 4, num_stages=3)
+            fastpath.launch(qkv_projection_head_kernel, (cdiv(M, tile["BLOCK_M"]), h), (
+                x2d, w, b if b is not None else w, out, cos, sin, norm_w, *common, *strides),
+                dict(flags, BLOCK_D=block_d, **launch_opts))
+            forms.append("one loop")
+            continue
+        # Partial rotary (r < d) or a d that is not a power of two with RoPE: the two rotary halves and the
+        # pass-through columns as three accumulators (a K loop each).
+        block_r = max(16, sizes.next_pow2(max(rot // 2, 1)))
+        block_p = max(16, sizes.next_pow2(max(head_dim - rot, 1)))
         fastpath.launch(qkv_projection_kernel, (cdiv(M, tile["BLOCK_M"]), h), (
-            x2d, w, b if b is not None else w, out, cos, sin, norm_w, M, seq_len, K, head_dim, rot,
-            x2d.stride(0), w.stride(0), out.stride(0), out.stride(1), out.stride(2), stride_cb, stride_cn,
-            float(qk_norm[2]) if use_norm else 0.0),
-            dict(HAS_BIAS=b is not None, HAS_ROPE=use_rope, INTERLEAVED=bool(interleaved), HAS_NORM=use_norm,
-                 INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda), UPCAST_DOT=interpret and x2d.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_P=block_p, **tile))
+            x2d, w, b if b is not None else w, out, cos, sin, norm_w, *common, rot, *strides),
+            dict(flags, BLOCK_R=block_r, BLOCK_P=block_p))
+        forms.append("three parts")
     launches.record("qkv_projection", path, "head layout, RoPE and QK-norm in the epilogue",
-                    lambda: f"{tile['BLOCK_M']} rows, K by {tile['BLOCK_K']}")
+                    lambda: f"{tile['BLOCK_M']} rows, K by {tile['BLOCK_K']}; q/k/v: {', '.join(forms)}")
     return outs

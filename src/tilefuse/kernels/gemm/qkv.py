@@ -1,9 +1,12 @@
 """Q, K, V projections written straight into head layout, with the rotary embedding and the per-head RMSNorm
 (QK-norm) in the GEMM's epilogue.
 
-One program per (BLOCK_M token rows, head) of one projection: the head's d output columns are made as three
-accumulators -- the two rotary halves (rotate-half: columns [0, r/2) and [r/2, r); GPT-J: the even and odd
-columns of the first r) and the pass-through rest [r, d) -- so the rotation pairs meet in registers. Then:
+One program per (BLOCK_M token rows, head) of one projection. ``qkv_projection_head_kernel`` (no RoPE, or
+RoPE over all of a power-of-two d: the Llama / Qwen / Mistral case) makes the head's d columns in one K loop
+and splits the rotation pairs apart in registers. ``qkv_projection_kernel`` (partial rotary, r < d, or RoPE
+on another d) makes them as three accumulators, a K loop each -- the two rotary halves (rotate-half: columns
+[0, r/2) and [r/2, r); GPT-J: the even and odd columns of the first r) and the pass-through rest [r, d) --
+so the rotation pairs meet in registers. Then, in both:
 bias, QK-norm over the head's d columns (rstd from the three accumulators), RoPE with cos/sin of each row's
 position, and a store into q/k/v laid out [B, H, N, d] (or [B, N, H, d]) at the row's (b, n).
 HBM bytes (element size s): fused (M*K + (H + 2*Hkv)*d*K + M*(H + 2*Hkv)*d)*s + the cos/sin reads; eager
@@ -106,3 +109,64 @@ def qkv_projection_kernel(
     tl.store(base[:, None] + col_a[None, :], acc_a.to(out_dtype), mask=mask_m[:, None] & mask_r[None, :])
     tl.store(base[:, None] + col_b[None, :], acc_b.to(out_dtype), mask=mask_m[:, None] & mask_r[None, :])
     tl.store(base[:, None] + col_p[None, :], acc_p.to(out_dtype), mask=mask_m[:, None] & mask_p[None, :])
+
+
+@triton.jit
+def qkv_projection_head_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr,
+    M, N_SEQ, K, HEAD_DIM,
+    stride_xm, stride_wn,
+    stride_ob, stride_oh, stride_on,
+    stride_cb, stride_cn,
+    eps,
+    HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The same projection with the head's columns made by one K loop into one [BLOCK_M, BLOCK_D]
+    accumulator (``qkv_projection_kernel`` runs a loop per part, reading x's tile once per part). RoPE, when
+    given, rotates every column (r == d == BLOCK_D): the pairs are taken apart in registers (rotate-half:
+    columns j and j + d/2; GPT-J: 2j and 2j + 1) and put back before the store. Without RoPE any d <= BLOCK_D.
+    Rounding as ``qkv_projection_kernel``: the product to the output dtype before QK-norm and before RoPE."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_m64 = offs_m.to(tl.int64)
+    b = offs_m64 // N_SEQ
+    n = offs_m64 % N_SEQ
+    cols = tl.arange(0, BLOCK_D)
+    mask_d = cols < HEAD_DIM
+    acc = _head_part(x_ptr, w_ptr, offs_m64, mask_m, head * HEAD_DIM + cols, mask_d, K, stride_xm, stride_wn,
+                     INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_D, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + head * HEAD_DIM + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    out_dtype = out_ptr.dtype.element_ty
+    if HAS_NORM:  # per-head RMSNorm over d, in fp32, on the product rounded as eager's would be
+        acc = acc.to(out_dtype).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(acc * acc, 1) / HEAD_DIM + eps)
+        acc = acc * rstd[:, None] * tl.load(norm_w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    if HAS_ROPE:  # a' = a cos - b sin, b' = b cos + a sin over the pairs (a, b)
+        acc = acc.to(out_dtype).to(tl.float32)
+        HALF: tl.constexpr = BLOCK_D // 2
+        if INTERLEAVED:
+            pairs = tl.reshape(acc, (BLOCK_M, HALF, 2))                                   # [m, j, (2j, 2j+1)]
+        else:
+            pairs = tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1))            # [m, j, (j, j+d/2)]
+        a, bb = tl.split(pairs)
+        i = tl.arange(0, HALF)
+        col_a = 2 * i if INTERLEAVED else i
+        col_b = col_a + 1 if INTERLEAVED else i + HALF
+        c_rows = (b * stride_cb + n * stride_cn)[:, None]
+        m_rot = mask_m[:, None]
+        cos_a = tl.load(cos_ptr + c_rows + col_a[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_ptr + c_rows + col_a[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_ptr + c_rows + col_b[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        sin_b = tl.load(sin_ptr + c_rows + col_b[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        pairs = tl.join(a * cos_a - bb * sin_a, bb * cos_b + a * sin_b)
+        if INTERLEAVED:
+            acc = tl.reshape(pairs, (BLOCK_M, BLOCK_D))
+        else:
+            acc = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_M, BLOCK_D))
+    base = out_ptr + b * stride_ob + head.to(tl.int64) * stride_oh + n * stride_on
+    tl.store(base[:, None] + cols[None, :], acc.to(out_dtype), mask=mask_m[:, None] & mask_d[None, :])
