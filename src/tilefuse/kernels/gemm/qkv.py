@@ -41,6 +41,14 @@ def _head_part(x_ptr, w_ptr, offs_m64, mask_m, rows, mask_c, K, stride_xm, strid
 
 
 @triton.jit
+def _program_rows(M, N_SEQ, BLOCK_M: tl.constexpr):
+    """(head, token rows (int64), their mask, batch index, position) of this (row block, head) program."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m64 = offs_m.to(tl.int64)
+    return tl.program_id(1), offs_m64, offs_m < M, offs_m64 // N_SEQ, offs_m64 % N_SEQ
+
+
+@triton.jit
 def qkv_projection_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr,
     M, N_SEQ, K, HEAD_DIM, ROT,            # rows M = B * N_SEQ; ROT: rotary dims (even, <= HEAD_DIM; 0: none)
@@ -53,13 +61,7 @@ def qkv_projection_kernel(
     UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    offs_m64 = offs_m.to(tl.int64)
-    b = offs_m64 // N_SEQ
-    n = offs_m64 % N_SEQ
+    head, offs_m64, mask_m, b, n = _program_rows(M, N_SEQ, BLOCK_M)
     half = ROT // 2
     # Head columns of the three parts: rotary A / B (pairs) and the pass-through rest.
     i = tl.arange(0, BLOCK_R)
@@ -128,13 +130,7 @@ def qkv_projection_head_kernel(
     given, rotates every column (r == d == BLOCK_D): the pairs are taken apart in registers (rotate-half:
     columns j and j + d/2; GPT-J: 2j and 2j + 1) and put back before the store. Without RoPE any d <= BLOCK_D.
     Rounding as ``qkv_projection_kernel``: the product to the output dtype before QK-norm and before RoPE."""
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    offs_m64 = offs_m.to(tl.int64)
-    b = offs_m64 // N_SEQ
-    n = offs_m64 % N_SEQ
+    head, offs_m64, mask_m, b, n = _program_rows(M, N_SEQ, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask_d = cols < HEAD_DIM
     acc = _head_part(x_ptr, w_ptr, offs_m64, mask_m, head * HEAD_DIM + cols, mask_d, K, stride_xm, stride_wn,
