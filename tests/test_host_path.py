@@ -449,3 +449,35 @@ def test_nested_recordings_close_their_own_lists():
             pass
         launches.record("x", "compiled", "k", "c")
     assert [r.op for r in outer] == ["x"] and inner == [] and not launches.active()
+
+
+def test_a_replay_on_another_thread_sets_that_threads_allocator():
+    """Triton's allocator is per thread (a ContextVar) and its launcher takes a kernel's global scratch from
+    it: a plan captured on one thread and replayed on another (autograd's backward thread, a gradient-
+    checkpointing recompute) sets that thread's allocator first. On the H200 a checkpointed backward failed
+    with "no allocator was set" before this."""
+    import threading
+    import types
+
+    from triton.runtime import _allocation
+
+    from tilefuse.kernels import fastpath
+
+    seen = []
+
+    class Compiled:
+        function = packed_metadata = None
+        metadata = types.SimpleNamespace(global_scratch_size=128)
+
+        def launch_metadata(self, *args):
+            return None
+
+        def run(self, *args):
+            seen.append(not isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
+
+    step = fastpath._Step(Compiled(), (1, 1, 1), [], [], None)
+    plan = fastpath.Plan([((1,), (1,), torch.float32)], [step], 0, [], True)
+    worker = threading.Thread(target=plan, args=((torch.zeros(1),),))
+    worker.start()
+    worker.join()
+    assert seen == [True]

@@ -109,7 +109,7 @@ class Plan:
     def __init__(self, outputs, steps, stream, records, single):
         self.outputs, self.steps, self.stream, self.records, self.single = outputs, steps, stream, records, single
         # A replay on another thread (autograd's backward, a loader) must set that thread's allocator too.
-        self.scratch = any(getattr(s.compiled.metadata, "global_scratch_size", 0) for s in steps)
+        self.scratch = any(getattr(getattr(s.compiled, "metadata", None), "global_scratch_size", 0) for s in steps)
 
     def current(self) -> bool:
         return all(s.current() for s in self.steps)
