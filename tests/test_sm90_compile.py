@@ -295,7 +295,7 @@ def test_backward_gemms_compile_to_wgmma_and_fit(kernel, slope, gated):
     assert facts["spill_store_bytes"] == 0, facts
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
 @pytest.mark.parametrize("kernel", ["attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"])
 def test_attention_backward_compiles_for_sm90(kernel, d):
     """The attention backward kernels on the tiles the launch layer gives them (launch.backward_config):
@@ -311,7 +311,7 @@ def test_attention_backward_compiles_for_sm90(kernel, d):
     stages = BACKWARD_DKDV_STAGES if kernel == "attention_bwd_dkdv_kernel" and cfg["BLOCK_M"] == 64 \
         else cfg["num_stages"]
     consts = dict(HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, INPUT_PRECISION="tf32",
-                  UPCAST_DOT=False, EVEN_D=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d)
+                  UPCAST_DOT=False, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d)
     params = importlib.import_module("tilefuse.kernels.attention.backward").__dict__[kernel].arg_names
     for unit in ("stride_qd", "stride_kd", "stride_vd", "stride_dod", "stride_dkd", "stride_dvd", "stride_dqd"):
         if unit in params:
@@ -326,10 +326,10 @@ def test_attention_backward_compiles_for_sm90(kernel, d):
                          stages, aligned=aligned)
     assert facts["shared"] <= SMEM_LIMIT, facts
     assert facts["wgmma"] == (cfg["BLOCK_M"] >= 64), facts
-    # d == BLOCK_D: the head-dim mask is a constant, and the tiles load 16 bytes at a time (a runtime bound on
-    # the contiguous dimension made every load one 16-bit element).
+    # The head dim is a constexpr, so the head-dim mask's constancy is known and the tiles load 16 bytes at a
+    # time (a runtime bound on the contiguous dimension made every load one 16-bit element).
     assert facts["scalar_16bit_loads"] == 0, facts
-    if d <= 128:
+    if d in (64, 128):
         # dK/dV with keys as rows (S^T = K Q^T): P^T and dS^T feed dV and dK from registers (S = Q K^T with
         # P and dS transposed through shared memory spilled 76 bytes at d 128), at one stage.
         assert facts["spill_store_bytes"] == 0, facts
@@ -344,7 +344,7 @@ def test_attention_varlen_and_modifiers_compile_for_sm90(kernel):
     module = "tilefuse.kernels.attention." + ("portable" if kernel == "attention_fwd_kernel" else "backward")
     params = importlib.import_module(module).__dict__[kernel].arg_names
     consts = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_MASK=False, MASK_IS_BOOL=False, HAS_SOFTCAP=True,
-                  HAS_ALIBI=True, VARLEN=True, STORE_LSE=True, EVEN_D=True, USE_DESC=False, INPUT_PRECISION="tf32",
+                  HAS_ALIBI=True, VARLEN=True, STORE_LSE=True, EVEN_D=True, HEAD_DIM=128, USE_DESC=False, INPUT_PRECISION="tf32",
                   UPCAST_DOT=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, FLAT_GRID=False)
     sig = {"*": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "mask_ptr": "*fp32", "qk_scale": "fp32",
            "scale": "fp32", "softcap_log2": "fp32", "alibi_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}

@@ -17,8 +17,9 @@ Three kernels, none with atomics, so the gradients are bit-identical run to run:
 HBM bytes (element size s): Q, K, V, O, dO read (dkdv: Q, dO once per KV head group member; dq: K, V
 once per query block row band from L2), dQ, dK, dV written, lse and D (8 bytes per row): against eager
 autograd's >= 4 * B*Hq*Nq*Nk*s for S, P, dP, dS. Masks (bool or additive), causal and windows as the
-forward; any Nq, Nk and head dim <= 256 (padded to a power of two and masked). Scores live in the log2
-domain (scale * log2(e) folded into qk_scale), as in the forward.
+forward; any Nq, Nk and head dim <= 256 (padded to a power of two and masked). The head dim is a constexpr:
+with a runtime bound the head-dim mask kept every tile load to one 16-bit element (a compile per head dim
+instead). Scores live in the log2 domain (scale * log2(e) folded into qk_scale), as in the forward.
 """
 from __future__ import annotations
 
@@ -41,15 +42,6 @@ def _tile_ptrs(ptr, b, h, stride_b, stride_h, offs_rows, stride_rows, offs_d, st
 
 
 @triton.jit
-def _head_mask(offs_d, HEAD_DIM, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The head-dim columns in use. With EVEN_D (d == BLOCK_D) a constant-true mask: a runtime bound on the
-    contiguous dimension keeps the compiler from vectorizing the tile loads (16-bit loads, one element each)."""
-    if EVEN_D:
-        return offs_d < BLOCK_D
-    return offs_d < HEAD_DIM
-
-
-@triton.jit
 def _row_terms(lse_ptr, delta_ptr, rows, mask):
     """(lse in the log2 domain, +inf where the row saw no key, so its P is 0; delta) for flat row indices."""
     lse = tl.load(lse_ptr + rows, mask=mask, other=float("-inf"))
@@ -61,8 +53,8 @@ def attention_bwd_rowdot_kernel(
     o_ptr, do_ptr, dlse_ptr, delta_ptr,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
-    H_Q, N_Q, HEAD_DIM,
-    HAS_DLSE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    H_Q, N_Q, HEAD_DIM: tl.constexpr,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """delta[b, h, m] = sum_d dO * O - dlse (fp32): the row term of dS = P * (dP - delta)."""
     pid_m = tl.program_id(0)
@@ -71,7 +63,7 @@ def attention_bwd_rowdot_kernel(
     h = pid_bh % H_Q
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m < N_Q)[:, None] & _head_mask(offs_d, HEAD_DIM, EVEN_D, BLOCK_D)[None, :]
+    mask = (offs_m < N_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(_tile_ptrs(o_ptr, b, h, stride_ob, stride_oh, offs_m, stride_om, offs_d, stride_od), mask=mask,
                 other=0.0)
     do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, offs_m, stride_dom, offs_d, stride_dod), mask=mask,
@@ -111,7 +103,7 @@ def _probabilities(s, lse2, offs_m, offs_n, pos_m, N_Q, N_K, window_left, window
     return tl.math.exp2(s - lse2[:, None]), chain
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "HEAD_DIM", "pos_offset", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "pos_offset", "window_left", "window_right"])
 def attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, dk_ptr, dv_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -121,13 +113,13 @@ def attention_bwd_dkdv_kernel(
     stride_maskb, stride_maskh, stride_maskm, stride_maskn,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H_Q, H_KV, N_Q, N_K, HEAD_DIM, GROUP,
+    H_Q, H_KV, N_Q, N_K, HEAD_DIM: tl.constexpr, GROUP,
     qk_scale, scale, pos_offset, window_left, window_right,
     softcap_log2, alibi_ptr, stride_alibi_b, stride_alibi_h,
     cu_q_ptr, cu_k_ptr,  # VARLEN: as the forward (tensors viewed [1, H, total, d], lse and delta [Hq, total_q])
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, EVEN_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -143,7 +135,7 @@ def attention_bwd_dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < N_K
-    mask_d = _head_mask(offs_d, HEAD_DIM, EVEN_D, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
     kv_mask = mask_n[:, None] & mask_d[None, :]
     k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, row0_k + offs_n, stride_kn, offs_d, stride_kd),
                 mask=kv_mask, other=0.0)
@@ -221,7 +213,7 @@ def attention_bwd_dkdv_kernel(
              dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "HEAD_DIM", "pos_offset", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "pos_offset", "window_left", "window_right"])
 def attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, dq_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -230,13 +222,13 @@ def attention_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_maskb, stride_maskh, stride_maskm, stride_maskn,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H_Q, N_Q, N_K, HEAD_DIM, GROUP,
+    H_Q, N_Q, N_K, HEAD_DIM: tl.constexpr, GROUP,
     qk_scale, scale, pos_offset, window_left, window_right,
     softcap_log2, alibi_ptr, stride_alibi_b, stride_alibi_h,
     cu_q_ptr, cu_k_ptr,  # VARLEN: as the forward (tensors viewed [1, H, total, d], lse and delta [Hq, total_q])
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, EVEN_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -255,7 +247,7 @@ def attention_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < N_Q
-    mask_d = _head_mask(offs_d, HEAD_DIM, EVEN_D, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
     qm = mask_m[:, None] & mask_d[None, :]
     q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, row0_q + offs_m, stride_qm, offs_d, stride_qd), mask=qm,
                 other=0.0)

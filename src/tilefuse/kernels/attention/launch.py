@@ -325,8 +325,8 @@ def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
     if elem_bytes == 4:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     # 16-bit, d 64 / 128: dQ pipelines its K, V tiles over 2 stages; dK/dV, which holds two [64, d] fp32
-    # accumulators beside the score tiles, spills at 2 stages once its loads are vectorized (d == BLOCK_D:
-    # 40 / 84 bytes on sm_90a) and not at 1 (218 / 255 registers): see BACKWARD_DKDV_STAGES.
+    # accumulators beside the score tiles, spills at 2 stages once its loads are vectorized (40 / 84 bytes
+    # on sm_90a) and not at 1 (218 / 255 registers): see BACKWARD_DKDV_STAGES.
     if block_d <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     if block_d <= 128:
@@ -368,7 +368,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     rows = 64
     fastpath.launch(attention_bwd_rowdot_kernel, (cdiv(Nq, rows), B * Hq), (
         out, dout, dlse if dlse is not None else delta, delta, *out.stride(), *dout.stride(), Hq, Nq, d),
-        dict(HAS_DLSE=dlse is not None, EVEN_D=d == block_d, BLOCK_M=rows, BLOCK_D=block_d))
+        dict(HAS_DLSE=dlse is not None, BLOCK_M=rows, BLOCK_D=block_d))
     has_mask = mask is not None
     mask_is_bool = has_mask and mask.dtype == torch.bool
     if mask_is_bool:
@@ -378,7 +378,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     cfg = backward_config(block_d, q.element_size(), interpret)
     flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_MASK=has_mask,
                  MASK_IS_BOOL=mask_is_bool, HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi is not None,
-                 INPUT_PRECISION=precision, UPCAST_DOT=upcast, EVEN_D=d == block_d, BLOCK_D=block_d, **cfg)
+                 INPUT_PRECISION=precision, UPCAST_DOT=upcast, BLOCK_D=block_d, **cfg)
     qk_scale, softcap_log2 = modifier_args(scale, softcap)
     positions = (qk_scale, scale, pos_offset, max(window_left, 0), max(window_right, 0), softcap_log2,
                  alibi if alibi is not None else delta, *(alibi.stride() if alibi is not None else (0, 0)),
