@@ -2,7 +2,7 @@
 models, bf16, AdamW (lr 1e-4, as `tilefuse bench train`), the same random batch every step, no padding: the
 loss after each of N steps for the unpatched model, the whole patch, each step alone, the whole patch but
 one step, and the whole patch with the host fast path's replays turned off. ``--batches 8 --eval-patch`` with
-``--models gpt2-small --batch 8`` is `tilefuse bench train`'s own setting (8 batches in turn, patched in eval
+``--models bench:gpt2-small --batch 8`` (the bench's own model builder) is `tilefuse bench train`'s setting (8 batches in turn, patched in eval
 mode), where the patched GPT-2-small's loss stalled on the H200 (10.36 against eager's 6.69 at step 200).
 
     python3 benchmarks/patch_train_drift.py --out patch_train_drift.json
@@ -47,7 +47,13 @@ def main() -> int:
     rows = []
     for name in args.models:
         torch.manual_seed(0)
-        base, n = build(name)
+        if name.startswith("bench:"):  # `tilefuse bench train`'s own model: its config, seed and dtype
+            from tilefuse.harness import model_bench
+            bench_name = name.split(":", 1)[1]
+            base = model_bench.build_model(bench_name, DEVICE == "cuda", seed=0)
+            n = model_bench.MODELS[bench_name][3][1] if DEVICE == "cuda" else model_bench.TINY_TRAIN[1]
+        else:
+            base, n = build(name)
         base = base.to(DEVICE).bfloat16()
         g = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, base.config.vocab_size, (args.batch, n), generator=g).to(DEVICE)
