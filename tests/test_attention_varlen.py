@@ -109,8 +109,8 @@ def test_bad_offsets_without_validation_stay_inside_the_tensors(device):
     claim the same rows, whose programs then race on those rows' outputs: the values are undefined there
     (out and lse may come from different sequences, so the gradients may overflow), as with FlashAttention;
     what is promised is memory safety, and that the inputs are left as they were. Rows of a clamped sequence
-    longer than max_seqlen_q are never written either (the grid covers max_seqlen_q rows per sequence): the
-    H200 left uninitialised values there."""
+    longer than max_seqlen_q are never written either (the grid covers max_seqlen_q rows per sequence), so
+    their values are undefined too."""
     q, k, v = _packed(device)
     total_q, total_k = q.shape[0], k.shape[0]
     cq = torch.tensor([0, total_q + 50, 3, -7, total_q, 10 * total_q], dtype=torch.int32, device=device)

@@ -325,8 +325,7 @@ def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
     if elem_bytes == 4:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     # 16-bit, d 64 / 128: dQ pipelines its K, V tiles over 2 stages; dK/dV, which holds two [64, d] fp32
-    # accumulators beside the score tiles, spills at 2 stages once its loads are vectorized (40 / 84 bytes
-    # on sm_90a) and not at 1 (218 / 255 registers): see BACKWARD_DKDV_STAGES.
+    # accumulators beside the score tiles, spills on sm_90a at 2 stages and not at 1: BACKWARD_DKDV_STAGES.
     if block_d <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     if block_d <= 128:

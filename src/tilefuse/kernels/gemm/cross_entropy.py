@@ -29,6 +29,13 @@ from tilefuse.kernels.activations import tanh
 
 
 @triton.jit
+def _soft_capped(z, softcap):
+    """(Gemma 2's soft-capped logits softcap * tanh(z / softcap), the tanh: its derivative is 1 - tanh^2)."""
+    t = tanh(z / softcap)
+    return softcap * t, t
+
+
+@triton.jit
 def _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                 UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -50,8 +57,7 @@ def _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride
         acc = acc + tl.load(b_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
     t = acc
     if HAS_SOFTCAP:
-        t = tanh(acc / softcap)
-        acc = softcap * t
+        acc, t = _soft_capped(acc, softcap)
     return tl.where(mask_v[None, :], acc, float("-inf")), t
 
 
@@ -130,7 +136,7 @@ def lce_chunk_stats_kernel(
         z = tl.load(z_ptr + offs_m64[:, None] * stride_zm + offs_j[None, :], mask=mask_m[:, None] & mask_v[None, :],
                     other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z = softcap * tanh(z / softcap)
+            z, _ = _soft_capped(z, softcap)
         z = tl.where(mask_v[None, :], z, float("-inf"))
         m_i, l_i, z_t, z_sum = _fold_tile(z, v0 + offs_j, mask_v, target, m_i, l_i, z_t, z_sum)
     _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum)
@@ -157,8 +163,7 @@ def lce_logit_grad_kernel(
     target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
     t = z
     if HAS_SOFTCAP:
-        t = tanh(z / softcap)
-        z = softcap * t
+        z, t = _soft_capped(z, softcap)
     p = tl.exp(z - lse[:, None])
     onehot = tl.where((v0 + offs_v).to(tl.int64)[None, :] == target[:, None], 1.0, 0.0)
     dz = ((1.0 - smoothing) * (p - onehot) + smoothing * (p - 1.0 / V)) * dloss[:, None]

@@ -492,8 +492,7 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
         part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
         tile = LCE_STATS_TILE
         for i, v0 in enumerate(range(0, V, vc)):
-            w_c = w[v0:v0 + vc]
-            z = torch.mm(x2d, w_c.t()) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c.t())
+            z = _chunk_logits(x2d, w, b, v0, vc)
             fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (
                 z, target, part, M, z.shape[1], v0, i, splits, z.stride(0), float(softcap or 0.0)),
                 dict(HAS_SOFTCAP=softcap is not None, **tile))
@@ -533,10 +532,16 @@ LCE_GRAD_TILE = dict(BLOCK_M=32, BLOCK_V=128)
 LCE_FP16_SCALE = 2.0 ** 12  # fp16 dz chunk: |dz'| <= 4096, and softmax values down to 1.5e-8 stay normal
 LCE_STATS_TILE = dict(BLOCK_M=8, BLOCK_V=256)  # the chunked forward's row pass: 80 registers on sm_90a, no spills
 # The forward: "chunked" (cuBLAS GEMMs over vocabulary chunks, one [T, VC] chunk at a time, folded by a row pass)
-# or "online" (lce_forward_kernel: logit tiles only on chip, tl.dot with pointer loads). On the H200 (bf16,
-# fwd+bwd, benchmarks/cross_entropy_head.py) the chunked one is faster at both heads -- Llama-3 54.7 against
-# 75.7 ms, GPT-2 5.46 against 6.44 ms -- at the same peak memory: the online kernel's GEMM runs below cuBLAS.
+# or "online" (lce_forward_kernel: logit tiles only on chip, tl.dot with pointer loads). Chunked by default: it
+# measured faster at both heads of benchmarks/cross_entropy_head.py at the same peak memory (the online kernel's
+# GEMM runs below cuBLAS; numbers in NOTES.md).
 LCE_FORWARD = "chunked"
+
+
+def _chunk_logits(x2d, w, b, v0: int, vc: int) -> torch.Tensor:
+    """x2d @ W[v0:v0 + vc]^T (+ b's chunk) by cuBLAS: one vocabulary chunk's logits [M, <= vc] in x's dtype."""
+    w_c = w[v0:v0 + vc].t()
+    return torch.mm(x2d, w_c) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c)
 
 
 def lce_vocab_chunk(M: int, V: int, element_size: int) -> int:
@@ -567,15 +572,15 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
     dx = torch.zeros((M, K) if need_dx else (0,), dtype=torch.float32, device=x2d.device)
     dw = torch.empty((V, K) if need_dw else (0,), dtype=w.dtype, device=x2d.device)
     db = torch.empty((V,) if need_db else (0,), dtype=torch.float32, device=x2d.device)
+    alpha = 1.0 / LCE_FP16_SCALE if scaled else 1.0  # a power of two: exact
     for v0 in range(0, V, vc):
         w_c = w[v0:v0 + vc]
-        z = torch.mm(x2d, w_c.t()) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c.t())
+        z = _chunk_logits(x2d, w, b, v0, vc)
         n = z.shape[1]
         fastpath.launch(lce_logit_grad_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(n, tile["BLOCK_V"])), (
             z, target, lse, dloss, M, n, V, v0, z.stride(0), float(softcap or 0.0), float(smoothing),
             LCE_FP16_SCALE if scaled else 1.0),
             dict(HAS_SOFTCAP=softcap is not None, **tile))
-        alpha = 1.0 / LCE_FP16_SCALE if scaled else 1.0  # a power of two: exact
         if need_dw:  # fp16: dW rows = c * (dz'^T x) / scale (dz'^T x / scale, i.e. dW / c, must fit fp16)
             dw_c = dw[v0:v0 + n]
             torch.addmm(dw_c, z.t(), x2d, beta=0, alpha=alpha, out=dw_c)
@@ -623,7 +628,7 @@ def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inter
                    float(qk_norm[2]) if use_norm else 0.0)
         if not use_rope or rot == head_dim == block_d:
             # One K loop over the head's columns (RoPE, if any, over all of them: the pairs split in registers).
-            # sm_90a, 64 rows: 132-168 registers and no spill at d <= 128 with 4 warps; d 256 takes 8.
+            # 4 warps hold a 64-row head tile up to d 128 without spilling on sm_90a; d 256 takes 8.
             launch_opts = {} if interpret else dict(num_warps=8 if block_d >= 256 else 4, num_stages=3)
             fastpath.launch(qkv_projection_head_kernel, (cdiv(M, tile["BLOCK_M"]), h), (
                 x2d, w, b if b is not None else w, out, cos, sin, norm_w, *common, *strides),

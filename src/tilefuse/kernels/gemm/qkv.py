@@ -49,6 +49,17 @@ def _program_rows(M, N_SEQ, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _rotate_pairs(a, b, cos_ptr, sin_ptr, c_rows, col_a, col_b, mask):
+    """RoPE on the pairs (a, b) of head columns col_a / col_b: a' = a cos - b sin, b' = b cos + a sin, with
+    cos/sin read at each row's ``c_rows`` offset (fp32 math)."""
+    cos_a = tl.load(cos_ptr + c_rows + col_a[None, :], mask=mask, other=0.0).to(tl.float32)
+    sin_a = tl.load(sin_ptr + c_rows + col_a[None, :], mask=mask, other=0.0).to(tl.float32)
+    cos_b = tl.load(cos_ptr + c_rows + col_b[None, :], mask=mask, other=0.0).to(tl.float32)
+    sin_b = tl.load(sin_ptr + c_rows + col_b[None, :], mask=mask, other=0.0).to(tl.float32)
+    return a * cos_a - b * sin_a, b * cos_b + a * sin_b
+
+
+@triton.jit
 def qkv_projection_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr,
     M, N_SEQ, K, HEAD_DIM, ROT,            # rows M = B * N_SEQ; ROT: rotary dims (even, <= HEAD_DIM; 0: none)
@@ -98,15 +109,8 @@ def qkv_projection_kernel(
     if HAS_ROPE:  # HF Llama's rotate-half (or GPT-J's pairs): a' = a cos - b sin, b' = b cos + a sin
         acc_a = acc_a.to(out_dtype).to(tl.float32)
         acc_b = acc_b.to(out_dtype).to(tl.float32)
-        c_rows = b * stride_cb + n * stride_cn
-        m_rot = mask_m[:, None] & mask_r[None, :]
-        cos_a = tl.load(cos_ptr + c_rows[:, None] + col_a[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        sin_a = tl.load(sin_ptr + c_rows[:, None] + col_a[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        cos_b = tl.load(cos_ptr + c_rows[:, None] + col_b[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        sin_b = tl.load(sin_ptr + c_rows[:, None] + col_b[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        rot_a = acc_a * cos_a - acc_b * sin_a
-        acc_b = acc_b * cos_b + acc_a * sin_b
-        acc_a = rot_a
+        acc_a, acc_b = _rotate_pairs(acc_a, acc_b, cos_ptr, sin_ptr, (b * stride_cb + n * stride_cn)[:, None],
+                                     col_a, col_b, mask_m[:, None] & mask_r[None, :])
     base = out_ptr + b * stride_ob + head.to(tl.int64) * stride_oh + n * stride_on
     tl.store(base[:, None] + col_a[None, :], acc_a.to(out_dtype), mask=mask_m[:, None] & mask_r[None, :])
     tl.store(base[:, None] + col_b[None, :], acc_b.to(out_dtype), mask=mask_m[:, None] & mask_r[None, :])
@@ -153,13 +157,9 @@ def qkv_projection_head_kernel(
         i = tl.arange(0, HALF)
         col_a = 2 * i if INTERLEAVED else i
         col_b = col_a + 1 if INTERLEAVED else i + HALF
-        c_rows = (b * stride_cb + n * stride_cn)[:, None]
-        m_rot = mask_m[:, None]
-        cos_a = tl.load(cos_ptr + c_rows + col_a[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        sin_a = tl.load(sin_ptr + c_rows + col_a[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        cos_b = tl.load(cos_ptr + c_rows + col_b[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        sin_b = tl.load(sin_ptr + c_rows + col_b[None, :], mask=m_rot, other=0.0).to(tl.float32)
-        pairs = tl.join(a * cos_a - bb * sin_a, bb * cos_b + a * sin_b)
+        a, bb = _rotate_pairs(a, bb, cos_ptr, sin_ptr, (b * stride_cb + n * stride_cn)[:, None], col_a, col_b,
+                              mask_m[:, None])
+        pairs = tl.join(a, bb)
         if INTERLEAVED:
             acc = tl.reshape(pairs, (BLOCK_M, BLOCK_D))
         else:
