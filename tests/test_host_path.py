@@ -32,6 +32,8 @@ CASES = {
     # bf16, d = 64, no mask: the warp-specialized Gluon kernel on sm_90
     "attention": ((1, 4, 4, 128, 128), ["attention_fwd_ws_kernel"]),
     "sdpa": ((1, 2, 2, 128, 128, 64), ["attention_fwd_kernel"]),
+    # bf16, d = 128, K a multiple of 8: the Hopper TMA kernel, one launch per projection
+    "qkv_projection": ((1, 64, 256, 4, 4, 128), ["qkv_projection_tma_kernel"] * 3),
 }
 
 
@@ -87,7 +89,8 @@ def test_compiled_dispatch_launches_the_same_kernels_every_call(op, pinned_tuner
 def test_every_family_replays_where_its_launches_touch_only_the_calls_tensors(pinned_tuners):
     """Which bench-like calls the fast path replays: those whose launches read and write only the call's
     inputs and outputs (and the split-K buffers kept for the process). layer_norm_linear's Hopper form
-    folds gamma into a temporary weight, so it always takes the full path."""
+    folds gamma into a temporary weight, so it always takes the full path. qkv_projection replays its three
+    launches, outputs in head layout included."""
     replayed = {}
     for op in sorted(CASES):
         shape, _ = CASES[op]
@@ -481,3 +484,28 @@ def test_a_replay_on_another_thread_sets_that_threads_allocator():
     worker.start()
     worker.join()
     assert seen == [True]
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_qkv_projection_reads_a_conv1d_weight_in_place_and_replays(pinned_tuners, layout):
+    """GPT-2's c_attn keeps W^T [K, 3K]; tilefuse.patch passes ``weight.t()``. The kernels read that view where
+    it lies (each launch's weight pointer is inside the parameter: no per-call copy), on Hopper through the TMA
+    kernel's [K, rows] tiles, and the second call replays the first one's launches with the new outputs."""
+    import tilefuse
+    B, N, K, H, d = 2, 16, 256, 4, 64
+    x = torch.randn(B, N, K).bfloat16()
+    c_attn = torch.randn(K, 3 * H * d).bfloat16()  # Conv1D's weight layout
+    bias = torch.randn(3 * H * d).bfloat16()
+    span = (c_attn.data_ptr(), c_attn.data_ptr() + c_attn.numel() * c_attn.element_size())
+    with torch.no_grad(), stubbed_launches() as launches:
+        tilefuse.qkv_projection(x, c_attn.t(), bias, num_heads=H, layout=layout)
+        n = len(launches)
+        q, k, v = tilefuse.qkv_projection(x, c_attn.t(), bias, num_heads=H, layout=layout)
+    assert [launch.kernel for launch in launches] == ["qkv_projection_tma_kernel"] * 6
+    assert all(launch.kwargs["W_KN"] for launch in launches)
+    assert all(launch.replay for launch in launches[n:]) and not any(launch.replay for launch in launches[:n])
+    for launch in launches:
+        w_ptr = launch.pointers[1]  # parameter order: x, w, ...
+        assert span[0] <= w_ptr < span[1], "the weight must be read in place, not copied"
+    for t in (q, k, v):
+        assert t.shape == ((B, H, N, d) if layout == "bhnd" else (B, N, H, d)) and t.is_contiguous()

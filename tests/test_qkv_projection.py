@@ -117,3 +117,42 @@ def test_module_state_dict_and_shared_parameters(device):
                                         (module.q_norm.weight.double(), module.k_norm.weight.double(), 1e-6))
     for got, exp, name in zip((q, k, v), want, "qkv"):
         assert_close(got, exp, BOUND, name)
+
+
+@pytest.mark.parametrize("H,Hkv,d,r,norm,conv1d", [
+    (3, 1, 64, 64, False, True),     # an odd head count: the last two-head tile's second head is past the end
+    (4, 2, 128, 128, True, False),
+    (2, 2, 256, 0, False, True),
+    (4, 4, 64, 0, False, False),
+])
+def test_whole_head_tiles_and_the_conv1d_layout(device, H, Hkv, d, r, norm, conv1d):
+    """The power-of-two head dims the Hopper TMA kernel takes (one or two whole heads per tile; K a multiple of
+    8 on the GPU so x and W are TMA-able; N 257 so tiles cross sequence boundaries), with the weight as
+    nn.Linear's one tensor or as GPT-2's Conv1D c_attn weight [K, rows] passed transposed, read in place; values
+    and gradients against float64."""
+    k_dim = 1024 if ON_GPU else 40
+    x = _rand(B, N, k_dim, seed=0, device=device)
+    rows = (H + 2 * Hkv) * d
+    w = _rand(rows, k_dim, seed=1, scale=k_dim ** -0.5, device=device)
+    stored = w.t().contiguous() if conv1d else w  # Conv1D keeps W^T: [K, rows]
+    bias = _rand(rows, seed=2, device=device)
+    rotary = _rotary(r, device) if r else None
+    qk = (_rand(d, seed=8, device=device) * 0.5 + 1, _rand(d, seed=9, device=device) * 0.5 + 1, 1e-6) if norm else None
+    leaf_w = stored.clone().requires_grad_()
+    leaf_x = x.clone().requires_grad_()
+    weight = leaf_w.t() if conv1d else leaf_w
+    outs = tilefuse.qkv_projection(leaf_x, weight, bias, num_heads=H, num_kv_heads=Hkv, rotary=rotary, qk_norm=qk)
+    ref_x, ref_w = x.double().requires_grad_(), stored.double().requires_grad_()
+    ws = (ref_w.t() if conv1d else ref_w).split([H * d, Hkv * d, Hkv * d])
+    want = reference.qkv_projection(ref_x, ws, bias.double().split([H * d, Hkv * d, Hkv * d]), H, Hkv,
+                                    None if rotary is None else tuple(t.double() for t in rotary), False,
+                                    None if qk is None else (qk[0].double(), qk[1].double(), qk[2]))
+    for got, exp, name in zip(outs, want, "qkv"):
+        assert got.shape == exp.shape and got.is_contiguous(), (name, got.shape, exp.shape)
+        assert_close(got, exp, BOUND, name)
+    grads = [_rand(*t.shape, seed=20 + i, device=device) for i, t in enumerate(outs)]
+    torch.autograd.backward(list(outs), grads)
+    torch.autograd.backward(list(want), [g.double() for g in grads])
+    assert leaf_w.grad.shape == stored.shape
+    assert_close(leaf_w.grad, ref_w.grad, BOUND, "grad W")
+    assert_close(leaf_x.grad, ref_x.grad, BOUND, "grad x")

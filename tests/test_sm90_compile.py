@@ -361,7 +361,7 @@ def test_qkv_projection_compiles_to_wgmma(rope, norm):
                   BLOCK_R=64, BLOCK_P=16 if rope else 128, BLOCK_K=64)
     sig = {"*": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"}
     facts = compile_sm90("tilefuse.kernels.gemm.qkv", "qkv_projection_kernel", sig, consts, 4, 3,
-                         aligned=("x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn"))
+                         aligned=("x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn"), ones=("stride_wk",))
     assert facts["wgmma"], facts
 
 
@@ -378,10 +378,34 @@ def test_qkv_projection_head_kernel_compiles_without_spills(d, rope, norm, inter
     aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "norm_w_ptr", "K", "HEAD_DIM", "stride_xm",
                "stride_wn", "stride_ob", "stride_oh", "stride_on", "stride_cb", "stride_cn")
     facts = compile_sm90("tilefuse.kernels.gemm.qkv", "qkv_projection_head_kernel", sig, consts, 8 if d >= 256 else 4,
-                         3, aligned=aligned)
+                         3, aligned=aligned, ones=("stride_wk",))
     assert facts["wgmma"], facts
     assert facts["spill_store_bytes"] == 0, facts
     assert facts["scalar_16bit_loads"] <= 2, facts  # the 1-D bias and norm-weight vectors at most (tiles: 16 B)
+
+
+@pytest.mark.parametrize("d,rope,norm,w_kn", [(64, True, False, True), (128, False, False, False),
+                                              (128, True, True, False), (128, True, False, True),
+                                              (256, True, True, False)])
+def test_qkv_projection_tma_kernel_compiles_to_wgmma_without_spills(d, rope, norm, w_kn):
+    """The Hopper QKV kernel at the tiles launch.QKV_TMA_TILES gives each head dim and epilogue, in nn.Linear's
+    weight layout and Conv1D's transposed one: wgmma fed from shared memory (TMA tiles), no spill with the
+    RoPE and QK-norm epilogue, within the H200's shared memory. The tiles arrive by TMA, so the only 16-bit
+    scalar loads are of the bias vector, in the layout RoPE's pair split gives it (16-32 per tile)."""
+    from tilefuse.kernels.gemm.launch import QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M, QKV_TMA_TILES
+    block_m, per_tile, warps, stages = QKV_TMA_TILES[d, rope or norm]
+    consts = dict(HAS_BIAS=True, HAS_ROPE=rope, INTERLEAVED=False, HAS_NORM=norm, W_KN=w_kn, NUM_SMS=132,
+                  BLOCK_M=block_m, HEAD_DIM=d, HEADS_PER_TILE=per_tile, BLOCK_K=QKV_TMA_BLOCK_K,
+                  GROUP_M=QKV_TMA_GROUP_M)
+    sig = {"*": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"}
+    aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "norm_w_ptr", "K", "stride_xm",
+               "stride_w", "stride_ob", "stride_oh", "stride_on", "stride_cb", "stride_cn")
+    facts = compile_sm90("tilefuse.kernels.gemm.qkv", "qkv_projection_tma_kernel", sig, consts, warps, stages,
+                         aligned=aligned)
+    assert facts["wgmma"] and not facts["wgmma_a_in_registers"], facts
+    assert facts["spill_store_bytes"] == 0, facts
+    assert facts["shared"] <= 227 * 1024, facts
+    assert facts["scalar_16bit_loads"] <= 32, facts
 
 
 @pytest.mark.parametrize("kernel", ["qkv", "lce_forward"])

@@ -4,8 +4,9 @@ QK-norm applied in the GEMM's epilogue.
 Registered as ``tilefuse::qkv_projection``, with autograd: the backward undoes RoPE (the transposed
 rotation) and QK-norm (recomputing the projection's heads) in PyTorch, then runs tilefuse's linear backward
 GEMMs per projection. GPT-2's ``Conv1D`` ``c_attn`` keeps its weight as [K, 3K]
-(transposed): pass ``c_attn.weight.t()`` (a view; the kernels read W rows with a unit column stride, so
-that view is copied once per call -- 3K*K elements -- or keep a transposed copy of the parameter).
+(transposed): pass ``c_attn.weight.t()``, a view with a unit row stride, which the kernels read in place
+(on Hopper the TMA kernel loads its [K, rows] tiles as they lie; no copy, the same HBM bytes as nn.Linear's
+layout). A weight with no unit stride on either dim is copied once per call.
 """
 from __future__ import annotations
 
@@ -36,12 +37,12 @@ def _outputs(x, heads, d, layout):
 def _impl(x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, interleaved, q_norm, k_norm, eps, layout):
     d = wq.shape[0] // num_heads
     heads = (num_heads, num_kv_heads, num_kv_heads)
-    outs = _outputs(x, heads, d, layout)
     rotary = None if cos is None else (cos, sin)
     qk_norm = None if q_norm is None else (q_norm, k_norm, eps)
     path = runtime.execution_path(x)
     if path == runtime.REFERENCE or x.numel() == 0:
         _dispatch.record_reference("qkv_projection", path)
+        outs = _outputs(x, heads, d, layout)
         ref = reference.qkv_projection(x, (wq, wk, wv), (bq, bk, bv), num_heads, num_kv_heads, rotary, interleaved,
                                        qk_norm)
         for out, r in zip(outs, ref):
@@ -51,8 +52,8 @@ def _impl(x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, interlea
         if x2d.shape[1] > 1 and x2d.stride(1) != 1:
             x2d = x2d.contiguous()
         with _dispatch.on_device(x):
-            _gemm_launch().qkv_projection(x2d, x.shape[1], (wq, wk, wv), (bq, bk, bv), heads, d, rotary, interleaved, qk_norm,
-                                  outs, path)
+            outs = _gemm_launch().qkv_projection(x2d, x.shape[0], x.shape[1], (wq, wk, wv), (bq, bk, bv), heads, d,
+                                                 rotary, interleaved, qk_norm, layout, path)
     return tuple(o if layout == "bhnd" else o.transpose(1, 2) for o in outs)
 
 
@@ -211,7 +212,8 @@ def qkv_projection(x: torch.Tensor, weight, bias=None, *, num_heads: int, num_kv
             if tuple(t.shape) != (d,):
                 raise ValueError(f"{name} must be [{d}] (the head dim), got {tuple(t.shape)}")
         eps = float(eps)
-    wq, wk, wv = (w if K <= 1 or w.stride(1) == 1 else w.contiguous() for w in (wq, wk, wv))
+    # Read in place with a unit stride on either dim (nn.Linear's layout, or GPT-2's Conv1D weight transposed).
+    wq, wk, wv = (w if K <= 1 or 1 in w.stride() else w.contiguous() for w in (wq, wk, wv))
     if cos is not None and grad_needed(cos, sin):
         raise NotImplementedError("tilefuse.qkv_projection: the rotary cos/sin tables get no gradient; pass them "
                                   "detached")

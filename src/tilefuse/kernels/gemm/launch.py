@@ -600,13 +600,43 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
 
 
 # ---- QKV projection into head layout ---------------------------------------------------------------
-def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, outs, path):
-    """q, k, v (``outs``, each with its [B, H, N, d] or [B, N, H, d] strides) of x2d [M = B * N, K] (unit column
-    stride) by qkv.py: one launch per projection, RoPE (``rotary`` (cos, sin) [N, r] or [B, N, r], or None)
-    and QK-norm (``qk_norm`` (q weight, k weight, eps) or None) on q and k."""
-    from tilefuse.kernels.gemm.qkv import qkv_projection_head_kernel, qkv_projection_kernel
+_QKV = fastpath.Plans("qkv_projection")
+# The Hopper QKV kernel's tile per (head dim, RoPE or QK-norm in the epilogue): (BLOCK_M, heads per tile,
+# num_warps, num_stages). Plain d 128 takes two heads (128x256, as the linear TMA table's fastest tiles); with
+# RoPE or QK-norm two heads spill on sm_90a (40 bytes), one head does not. d 256 takes 64 rows. The compile
+# facts are in tests/test_sm90_compile.py; not yet measured.
+QKV_TMA_TILES = {(64, False): (128, 2, 8, 4), (64, True): (128, 2, 8, 4), (128, False): (128, 2, 8, 3),
+                 (128, True): (128, 1, 8, 4), (256, False): (64, 1, 8, 3), (256, True): (64, 1, 8, 3)}
+QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M = 64, 8
+
+
+def qkv_projection(x2d, batch, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, layout,
+                   path):
+    """(q, k, v), each [B, h, N, d] (``layout`` "bnhd": the [B, h, N, d] view of a [B, N, h, d] tensor), of
+    x2d [M = B * N, K] (unit column stride) by qkv.py: one launch per projection, RoPE (``rotary`` (cos, sin)
+    [N, r] or [B, N, r], or None) and QK-norm (``qk_norm`` (q weight, k weight, eps) or None) on q and k. Each
+    weight [h * d, K] has a unit stride on one of its two dims (nn.Linear's layout, or the transposed view of
+    GPT-2's Conv1D weight) and is read in place. Repeated calls replay (kernels/fastpath.py)."""
+    cos, sin = rotary if rotary is not None else (None, None)
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+    inputs = (x2d, *weights, *biases, cos, sin, q_w, k_w)
+    scalars = (batch, seq_len, tuple(heads), head_dim, bool(interleaved), float(eps), layout,
+               precision_for(x2d.dtype, x2d.is_cuda))
+    return _QKV.run(inputs, scalars, lambda: _qkv_projection(x2d, batch, seq_len, weights, biases, heads, head_dim,
+                                                               rotary, interleaved, qk_norm, layout, path))
+
+
+def _qkv_projection(x2d, batch, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, layout,
+                    path):
+    from tilefuse.kernels.gemm.qkv import qkv_projection_head_kernel, qkv_projection_kernel, qkv_projection_tma_kernel
 
     M, K = x2d.shape
+    outs = []
+    for h in heads:
+        if layout == "bhnd":
+            outs.append(torch.empty((batch, h, seq_len, head_dim), dtype=x2d.dtype, device=x2d.device))
+        else:
+            outs.append(torch.empty((batch, seq_len, h, head_dim), dtype=x2d.dtype, device=x2d.device).transpose(1, 2))
     interpret = path == runtime.INTERPRETER
     tile = dict(BLOCK_M=64, BLOCK_K=32 if interpret else 64)
     forms = []
@@ -619,13 +649,30 @@ def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inter
         stride_cb, stride_cn = ((cos.stride(0), cos.stride(1)) if cos.dim() == 3 else (0, cos.stride(0))) \
             if use_rope else (0, 0)
         norm_w = qk_norm[i] if use_norm else x2d
-        flags = dict(HAS_BIAS=b is not None, HAS_ROPE=use_rope, INTERLEAVED=bool(interleaved), HAS_NORM=use_norm,
-                     INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
+        flags = dict(HAS_BIAS=b is not None, HAS_ROPE=use_rope, INTERLEAVED=bool(interleaved), HAS_NORM=use_norm)
+        out_strides = (out.stride(0), out.stride(1), out.stride(2), stride_cb, stride_cn,
+                       float(qk_norm[2]) if use_norm else 0.0)
+        w_kn = w.stride(1) != 1  # the transposed view of a Conv1D weight: unit stride down the rows
+        tma_tile = QKV_TMA_TILES.get((head_dim, use_rope or use_norm))
+        if (tma_tile is not None and (not use_rope or rot == head_dim) and x2d.dtype != torch.float32
+                and tma_supported(x2d, w.t() if w_kn else w)):
+            block_m, per_tile, warps, stages = tma_tile
+            per_tile = min(per_tile, h)
+            ensure_descriptor_allocator()
+            num_sms = runtime.device_facts(x2d.device)[1]
+            tiles = cdiv(M, block_m) * cdiv(h, per_tile)
+            fastpath.launch(qkv_projection_tma_kernel, (min(num_sms, tiles),), (
+                x2d, w, b if b is not None else w, out, cos, sin, norm_w, M, seq_len, K, h, x2d.stride(0),
+                w.stride(1) if w_kn else w.stride(0), *out_strides),
+                dict(flags, W_KN=w_kn, NUM_SMS=num_sms, BLOCK_M=block_m, HEAD_DIM=head_dim, HEADS_PER_TILE=per_tile,
+                     BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, num_warps=warps, num_stages=stages))
+            forms.append(f"tma {block_m}x{per_tile * head_dim}x{QKV_TMA_BLOCK_K} w{warps} s{stages}")
+            continue
+        flags.update(INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
                      UPCAST_DOT=interpret and x2d.dtype == torch.bfloat16, **tile)
         block_d = max(16, sizes.next_pow2(head_dim))
         common = (M, seq_len, K, head_dim)
-        strides = (x2d.stride(0), w.stride(0), out.stride(0), out.stride(1), out.stride(2), stride_cb, stride_cn,
-                   float(qk_norm[2]) if use_norm else 0.0)
+        strides = (x2d.stride(0), w.stride(0), w.stride(1), *out_strides)
         if not use_rope or rot == head_dim == block_d:
             # One K loop over the head's columns (RoPE, if any, over all of them: the pairs split in registers).
             # 4 warps hold a 64-row head tile up to d 128 without spilling on sm_90a; d 256 takes 8.
@@ -633,7 +680,7 @@ def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inter
             fastpath.launch(qkv_projection_head_kernel, (cdiv(M, tile["BLOCK_M"]), h), (
                 x2d, w, b if b is not None else w, out, cos, sin, norm_w, *common, *strides),
                 dict(flags, BLOCK_D=block_d, **launch_opts))
-            forms.append("one loop")
+            forms.append(f"one loop {tile['BLOCK_M']}x{block_d}x{tile['BLOCK_K']}")
             continue
         # Partial rotary (r < d) or a d that is not a power of two with RoPE: the two rotary halves and the
         # pass-through columns as three accumulators (a K loop each).
@@ -642,7 +689,7 @@ def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inter
         fastpath.launch(qkv_projection_kernel, (cdiv(M, tile["BLOCK_M"]), h), (
             x2d, w, b if b is not None else w, out, cos, sin, norm_w, *common, rot, *strides),
             dict(flags, BLOCK_R=block_r, BLOCK_P=block_p))
-        forms.append("three parts")
+        forms.append(f"three parts {tile['BLOCK_M']} rows, K by {tile['BLOCK_K']}")
     launches.record("qkv_projection", path, "head layout, RoPE and QK-norm in the epilogue",
-                    lambda: f"{tile['BLOCK_M']} rows, K by {tile['BLOCK_K']}; q/k/v: {', '.join(forms)}")
-    return outs
+                    lambda: f"q/k/v: {', '.join(forms)}")
+    return tuple(outs)

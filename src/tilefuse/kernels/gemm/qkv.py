@@ -6,32 +6,39 @@ RoPE over all of a power-of-two d: the Llama / Qwen / Mistral case) makes the he
 and splits the rotation pairs apart in registers. ``qkv_projection_kernel`` (partial rotary, r < d, or RoPE
 on another d) makes them as three accumulators, a K loop each -- the two rotary halves (rotate-half: columns
 [0, r/2) and [r/2, r); GPT-J: the even and odd columns of the first r) and the pass-through rest [r, d) --
-so the rotation pairs meet in registers. Then, in both:
+so the rotation pairs meet in registers. ``qkv_projection_tma_kernel`` (Hopper, 16-bit operands, a
+power-of-two d with RoPE over all of it or none) is the one-loop form as a persistent TMA GEMM, one or two
+whole heads per output tile. Then, in all three:
 bias, QK-norm over the head's d columns (rstd from the three accumulators), RoPE with cos/sin of each row's
 position, and a store into q/k/v laid out [B, H, N, d] (or [B, N, H, d]) at the row's (b, n).
 HBM bytes (element size s): fused (M*K + (H + 2*Hkv)*d*K + M*(H + 2*Hkv)*d)*s + the cos/sin reads; eager
 writes the [M, (H + 2*Hkv)*d] product, reads it to split and transpose (a copy each), and RoPE and QK-norm
 read and write q and k again: >= 4 more passes over q and k.
-Any M, K, d <= 256 (each part padded to a power of two >= 16 and masked), even r <= d.
+Any M, K, d <= 256 (each part padded to a power of two >= 16 and masked), even r <= d. W is read in place
+in nn.Linear's [rows, K] layout or as the transposed view of GPT-2's Conv1D weight (unit row stride).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from tilefuse.kernels.tiling import grouped_tile
+
 
 @triton.jit
-def _head_part(x_ptr, w_ptr, offs_m64, mask_m, rows, mask_c, K, stride_xm, stride_wn,
+def _head_part(x_ptr, w_ptr, offs_m64, mask_m, rows, mask_c, K, stride_xm, stride_wn, stride_wk,
                INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
                BLOCK_K: tl.constexpr):
-    """x[rows m] @ W[rows]^T for the weight rows ``rows`` ([BLOCK_C], masked by ``mask_c``): fp32."""
+    """x[rows m] @ W[rows]^T for the weight rows ``rows`` ([BLOCK_C], masked by ``mask_c``): fp32. W's element
+    (row, k) is at row * stride_wn + k * stride_wk: nn.Linear's [rows, K] (stride_wk 1) or GPT-2 Conv1D's
+    transposed view (stride_wn 1), read in place."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = (k0 + offs_k) < K
         x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + (k0 + offs_k)[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptr + rows.to(tl.int64)[None, :] * stride_wn + (k0 + offs_k)[:, None],
+        w = tl.load(w_ptr + rows.to(tl.int64)[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
                     mask=mask_k[:, None] & mask_c[None, :], other=0.0)
         if UPCAST_DOT:
             x = x.to(tl.float32)
@@ -63,7 +70,7 @@ def _rotate_pairs(a, b, cos_ptr, sin_ptr, c_rows, col_a, col_b, mask):
 def qkv_projection_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr,
     M, N_SEQ, K, HEAD_DIM, ROT,            # rows M = B * N_SEQ; ROT: rotary dims (even, <= HEAD_DIM; 0: none)
-    stride_xm, stride_wn,
+    stride_xm, stride_wn, stride_wk,       # W element (row, k) at row * stride_wn + k * stride_wk
     stride_ob, stride_oh, stride_on,       # the output [B, H, N, d] (or [B, N, H, d]) strides; unit d stride
     stride_cb, stride_cn,                  # cos/sin [B, N, r] (stride_cb 0 for [N, r]), unit last stride
     eps,
@@ -86,11 +93,11 @@ def qkv_projection_kernel(
     col_p = ROT + tl.arange(0, BLOCK_P)
     mask_p = col_p < HEAD_DIM
     row0 = head * HEAD_DIM
-    acc_a = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_a, mask_r, K, stride_xm, stride_wn,
+    acc_a = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_a, mask_r, K, stride_xm, stride_wn, stride_wk,
                        INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
-    acc_b = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_b, mask_r, K, stride_xm, stride_wn,
+    acc_b = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_b, mask_r, K, stride_xm, stride_wn, stride_wk,
                        INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
-    acc_p = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_p, mask_p, K, stride_xm, stride_wn,
+    acc_p = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_p, mask_p, K, stride_xm, stride_wn, stride_wk,
                        INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_P, BLOCK_K)
     if HAS_BIAS:
         acc_a += tl.load(b_ptr + row0 + col_a, mask=mask_r, other=0.0).to(tl.float32)[None, :]
@@ -121,7 +128,7 @@ def qkv_projection_kernel(
 def qkv_projection_head_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr,
     M, N_SEQ, K, HEAD_DIM,
-    stride_xm, stride_wn,
+    stride_xm, stride_wn, stride_wk,
     stride_ob, stride_oh, stride_on,
     stride_cb, stride_cn,
     eps,
@@ -136,11 +143,28 @@ def qkv_projection_head_kernel(
     Rounding as ``qkv_projection_kernel``: the product to the output dtype before QK-norm and before RoPE."""
     head, offs_m64, mask_m, b, n = _program_rows(M, N_SEQ, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
+    acc = _head_part(x_ptr, w_ptr, offs_m64, mask_m, head * HEAD_DIM + cols, cols < HEAD_DIM, K, stride_xm, stride_wn,
+                     stride_wk, INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_D, BLOCK_K)
+    _head_epilogue(acc, head, tl.num_programs(1), b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64, mask_m, b, n,
+                   HEAD_DIM, stride_ob, stride_oh, stride_on, stride_cb, stride_cn, eps, HAS_BIAS, HAS_ROPE, INTERLEAVED,
+                   HAS_NORM, BLOCK_M, BLOCK_D)
+
+
+@triton.jit
+def _head_epilogue(acc, head, HEADS, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64, mask_m, b, n, HEAD_DIM,
+                   stride_ob, stride_oh, stride_on, stride_cb, stride_cn, eps, HAS_BIAS: tl.constexpr,
+                   HAS_ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """Bias, QK-norm, RoPE and the head-layout store of one head's fp32 product ``acc`` [BLOCK_M, BLOCK_D]
+    (columns >= HEAD_DIM masked; with RoPE HEAD_DIM == BLOCK_D), rows at (b, n); nothing is read or written
+    for a head >= HEADS. Rounding as ``qkv_projection_kernel``: the product to the output dtype before QK-norm
+    and before RoPE."""
+    cols = tl.arange(0, BLOCK_D)
     mask_d = cols < HEAD_DIM
-    acc = _head_part(x_ptr, w_ptr, offs_m64, mask_m, head * HEAD_DIM + cols, mask_d, K, stride_xm, stride_wn,
-                     INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_D, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + head * HEAD_DIM + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    mask_m = mask_m & (head < HEADS)  # stores (and cos/sin reads) only for real heads
+    if HAS_BIAS:  # a head past the end reads the last head's bias (in bounds, unmasked: 16-byte loads)
+        acc += tl.load(b_ptr + tl.minimum(head, HEADS - 1) * HEAD_DIM + cols, mask=mask_d,
+                       other=0.0).to(tl.float32)[None, :]
     out_dtype = out_ptr.dtype.element_ty
     if HAS_NORM:  # per-head RMSNorm over d, in fp32, on the product rounded as eager's would be
         acc = acc.to(out_dtype).to(tl.float32)
@@ -166,3 +190,66 @@ def qkv_projection_head_kernel(
             acc = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_M, BLOCK_D))
     base = out_ptr + b * stride_ob + head.to(tl.int64) * stride_oh + n * stride_on
     tl.store(base[:, None] + cols[None, :], acc.to(out_dtype), mask=mask_m[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def qkv_projection_tma_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr,
+    M, N_SEQ, K, HEADS,
+    stride_xm, stride_w,   # x's row stride; W's row stride ([rows, K], or [K, rows] with W_KN)
+    stride_ob, stride_oh, stride_on,
+    stride_cb, stride_cn,
+    eps,
+    HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
+    W_KN: tl.constexpr,  # W given as W^T [K, rows] with unit row stride (GPT-2's Conv1D), read in place
+    NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Hopper: the same projection as a persistent TMA GEMM (the main loop of tma.py) whose output tiles are
+    HEADS_PER_TILE whole heads (HEAD_DIM a power of two, RoPE over all of it or none), walked in grouped order
+    so a weight band stays in L2. The epilogue takes the tile apart head by head (``_head_epilogue``: bias,
+    QK-norm, RoPE, the store at each row's (b, n)). x and W arrive through TMA (zero-filled past their
+    edges, so a last head beyond HEADS reads zeros and its store is skipped); the stores are pointer stores,
+    since a tile's rows may cross a sequence boundary."""
+    BLOCK_N: tl.constexpr = HEADS_PER_TILE * HEAD_DIM
+    rows = HEADS * HEAD_DIM
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if W_KN:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, rows], strides=[stride_w, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[rows, K], strides=[stride_w, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(HEADS, HEADS_PER_TILE)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            x_tile = x_desc.load([off_m, ki * BLOCK_K])
+            if W_KN:
+                acc = tl.dot(x_tile, w_desc.load([ki * BLOCK_K, off_n]), acc)
+            else:
+                acc = tl.dot(x_tile, w_desc.load([off_n, ki * BLOCK_K]).T, acc)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_m64 = offs_m.to(tl.int64)
+        mask_m = offs_m < M
+        b = offs_m64 // N_SEQ
+        n = offs_m64 % N_SEQ
+        head = pid_n * HEADS_PER_TILE
+        if HEADS_PER_TILE == 2:
+            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HEAD_DIM)), (0, 2, 1)))
+            _head_epilogue(acc0, head, HEADS, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64, mask_m, b, n,
+                           HEAD_DIM, stride_ob, stride_oh, stride_on, stride_cb, stride_cn, eps, HAS_BIAS, HAS_ROPE,
+                           INTERLEAVED, HAS_NORM, BLOCK_M, HEAD_DIM)
+            _head_epilogue(acc1, head + 1, HEADS, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64, mask_m, b,
+                           n, HEAD_DIM, stride_ob, stride_oh, stride_on, stride_cb, stride_cn, eps, HAS_BIAS, HAS_ROPE,
+                           INTERLEAVED, HAS_NORM, BLOCK_M, HEAD_DIM)
+        else:
+            _head_epilogue(acc, head, HEADS, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64, mask_m, b, n,
+                           HEAD_DIM, stride_ob, stride_oh, stride_on, stride_cb, stride_cn, eps, HAS_BIAS, HAS_ROPE,
+                           INTERLEAVED, HAS_NORM, BLOCK_M, HEAD_DIM)
