@@ -52,8 +52,9 @@ def _impl(x, wq, wk, wv, bq, bk, bv, num_heads, num_kv_heads, cos, sin, interlea
         if x2d.shape[1] > 1 and x2d.stride(1) != 1:
             x2d = x2d.contiguous()
         with _dispatch.on_device(x):
-            outs = _gemm_launch().qkv_projection(x2d, x.shape[0], x.shape[1], (wq, wk, wv), (bq, bk, bv), heads, d,
-                                                 rotary, interleaved, qk_norm, layout, path)
+            outs = _gemm_launch().qkv_projection(x2d, x.shape[1], (wq, wk, wv), (bq, bk, bv), heads, d, rotary,
+                                                 interleaved, qk_norm, layout,
+                                                 lambda: _outputs(x, heads, d, layout), path)
     return tuple(o if layout == "bhnd" else o.transpose(1, 2) for o in outs)
 
 

@@ -610,33 +610,26 @@ QKV_TMA_TILES = {(64, False): (128, 2, 8, 4), (64, True): (128, 2, 8, 4), (128, 
 QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M = 64, 8
 
 
-def qkv_projection(x2d, batch, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, layout,
-                   path):
-    """(q, k, v), each [B, h, N, d] (``layout`` "bnhd": the [B, h, N, d] view of a [B, N, h, d] tensor), of
-    x2d [M = B * N, K] (unit column stride) by qkv.py: one launch per projection, RoPE (``rotary`` (cos, sin)
-    [N, r] or [B, N, r], or None) and QK-norm (``qk_norm`` (q weight, k weight, eps) or None) on q and k. Each
+def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, layout,
+                   make_outputs, path):
+    """(q, k, v) from ``make_outputs()`` -- each [B, h, N, d], or with ``layout`` "bnhd" the [B, h, N, d] view
+    of a [B, N, h, d] tensor -- written from x2d [M = B * N, K] (unit column stride) by qkv.py: one launch per
+    projection, RoPE (``rotary`` (cos, sin) [N, r] or [B, N, r], or None) and QK-norm (``qk_norm`` (q weight, k weight, eps) or None) on q and k. Each
     weight [h * d, K] has a unit stride on one of its two dims (nn.Linear's layout, or the transposed view of
     GPT-2's Conv1D weight) and is read in place. Repeated calls replay (kernels/fastpath.py)."""
     cos, sin = rotary if rotary is not None else (None, None)
     q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
     inputs = (x2d, *weights, *biases, cos, sin, q_w, k_w)
-    scalars = (batch, seq_len, tuple(heads), head_dim, bool(interleaved), float(eps), layout,
+    scalars = (seq_len, tuple(heads), head_dim, bool(interleaved), float(eps), layout,
                precision_for(x2d.dtype, x2d.is_cuda))
-    return _QKV.run(inputs, scalars, lambda: _qkv_projection(x2d, batch, seq_len, weights, biases, heads, head_dim,
-                                                               rotary, interleaved, qk_norm, layout, path))
+    return _QKV.run(inputs, scalars, lambda: _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim,
+                                                               rotary, interleaved, qk_norm, make_outputs(), path))
 
 
-def _qkv_projection(x2d, batch, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, layout,
-                    path):
+def _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, outs, path):
     from tilefuse.kernels.gemm.qkv import qkv_projection_head_kernel, qkv_projection_kernel, qkv_projection_tma_kernel
 
     M, K = x2d.shape
-    outs = []
-    for h in heads:
-        if layout == "bhnd":
-            outs.append(torch.empty((batch, h, seq_len, head_dim), dtype=x2d.dtype, device=x2d.device))
-        else:
-            outs.append(torch.empty((batch, seq_len, h, head_dim), dtype=x2d.dtype, device=x2d.device).transpose(1, 2))
     interpret = path == runtime.INTERPRETER
     tile = dict(BLOCK_M=64, BLOCK_K=32 if interpret else 64)
     forms = []
