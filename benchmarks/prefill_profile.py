@@ -1,0 +1,70 @@
+"""Where a patched model's prefill spends its time: torch.profiler over a few forwards of a `tilefuse bench
+prefill` model (its own builder: config, seed, bf16 on the GPU), eager and patched, printing for each the
+host (CPU) and device (CUDA) time per op and per kernel, sorted by self host time, and the wall time per
+forward. A forward whose summed kernel time is far below its wall time is host-bound; the rows say where
+the host goes.
+
+    PYTHONPATH=$PWD/src python3 benchmarks/prefill_profile.py --model gpt2-medium [--forwards 3] [--rows 25]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import tilefuse
+from tilefuse.harness import model_bench
+
+
+def profile_forwards(model, ids, forwards: int, rows: int, label: str) -> None:
+    on_gpu = ids.is_cuda
+    with torch.no_grad():
+        model(input_ids=ids)  # warm-up: compiles, tunes, captures the fast path's plans
+        model(input_ids=ids)
+        if on_gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(forwards):
+            model(input_ids=ids)
+        if on_gpu:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / forwards
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with profile(activities=activities) as prof:
+            for _ in range(forwards):
+                model(input_ids=ids)
+            if on_gpu:
+                torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / forwards if on_gpu else float("nan")
+    print(f"== {label}: {1e3 * wall:.2f} ms per forward (wall), kernels {device_us / 1e3:.2f} ms per forward")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+    if on_gpu:
+        print(events.table(sort_by="self_device_time_total", row_limit=rows))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gpt2-medium", choices=sorted(model_bench.MODELS))
+    p.add_argument("--forwards", type=int, default=3)
+    p.add_argument("--rows", type=int, default=25)
+    args = p.parse_args()
+    on_gpu = torch.cuda.is_available()
+    batch, n = model_bench.MODELS[args.model][2] if on_gpu else model_bench.TINY_PREFILL
+    for label in ("eager", "tilefuse"):
+        model = model_bench.build_model(args.model, on_gpu, seed=0)
+        if label == "tilefuse":
+            print(tilefuse.patch(model))
+        device = next(model.parameters()).device
+        ids = model_bench._tokens(model.config.vocab_size, batch, n, 1, device)
+        profile_forwards(model, ids, args.forwards, args.rows, f"{args.model} {label}")
+        del model
+        if on_gpu:
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
