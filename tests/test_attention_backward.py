@@ -128,6 +128,29 @@ def test_sdpa_gqa_and_causal(device):
         assert_close(got.grad, exp, BOUND, f"gqa causal d{name}")
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_heads_last_writes_the_projection_layout(device, masked):
+    """What tilefuse.patch's attention function calls: SDPA whose output is written [B, N, H, d], so the
+    transpose HF's attention functions return is contiguous without a copy; values and gradients as torch's
+    (GQA + causal, or a broadcast additive mask)."""
+    from tilefuse.ops.attention import sdpa_heads_last
+    q, k, v = _r(2, 4, N, 32, device=device), _r(2, 2, N, 32, seed=1, device=device), \
+        _r(2, 2, N, 32, seed=2, device=device)
+    mask = _r(N, N, seed=4, device=device) if masked else None
+    do = _r(2, 4, N, 32, seed=3, device=device)
+    leaves = _leaves(q, k, v)
+    out = sdpa_heads_last(*leaves, attn_mask=mask, is_causal=not masked, enable_gqa=True)
+    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()
+    out.backward(do)
+    m64 = None if mask is None else mask.double()
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m64, is_causal=not masked,  # noqa: E731
+                                                        enable_gqa=True)
+    assert_close(out, fn(q.double(), k.double(), v.double()), BOUND, "out")
+    want = _grads64(fn, (q, k, v), (do,))
+    for got, exp, name in zip(leaves, want, "qkv"):
+        assert_close(got.grad, exp, BOUND, f"heads-last d{name}")
+
+
 def test_a_training_step_of_a_tiny_block_matches_sdpa(device):
     """A small attention block (projections + tilefuse attention) trains with SGD, 50 steps on the GPU (5 in
     the interpreter): every step's loss is within 1% of the same block's on torch's SDPA (the issue's

@@ -89,14 +89,14 @@ def test_each_family_is_patched_and_matches_unpatched_on_a_padded_batch(family, 
     # The tilefuse attention and (for the rotary families) qkv_projection are what runs now.
     calls = {"attention": 0, "qkv": 0}
     from tilefuse.ops import attention as attention_ops, qkv as qkv_ops
-    sdpa, qkv = attention_ops.scaled_dot_product_attention, qkv_ops.qkv_projection
+    sdpa, qkv = attention_ops.sdpa_heads_last, qkv_ops.qkv_projection
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(attention_ops, "scaled_dot_product_attention", counted("attention", sdpa))
+    monkeypatch.setattr(attention_ops, "sdpa_heads_last", counted("attention", sdpa))
     monkeypatch.setattr(qkv_ops, "qkv_projection", counted("qkv", qkv))
     ids, mask = _batch(device)
     with torch.no_grad():

@@ -69,13 +69,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
         return _packed_attention(query, key, value, cu_q, cu_k, kwargs, bool(causal), scaling)
-    from tilefuse.ops.attention import scaled_dot_product_attention
+    from tilefuse.ops.attention import sdpa_heads_last
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and kv_len > q_len:  # as HF's SDPA path: an empty static cache's tail is never attended
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
-                                       enable_gqa=key.shape[1] != query.shape[1])
+    # The kernel writes [B, N, H, d] directly: the transpose HF's callers expect is then a view, not a copy.
+    out = sdpa_heads_last(query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
+                          enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

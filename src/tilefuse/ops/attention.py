@@ -409,11 +409,20 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     the uniform average. With both ``is_causal`` and ``attn_mask`` both apply (torch's math
     backend refuses that). value's head dim must equal query's (torch allows Ev != E).
     """
+    return sdpa_heads_last(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, heads_last=False)
+
+
+def sdpa_heads_last(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                    *, heads_last: bool = True) -> torch.Tensor:
+    """:func:`scaled_dot_product_attention`, its output written by the kernel with the heads dim innermost
+    but one (``heads_last``: the result [..., H, L, E] is a view of a [..., L, H, E] tensor), so that
+    ``out.transpose(-3, -2)`` -- the layout an output projection reads, as Hugging Face's attention
+    functions return it -- is contiguous without a copy."""
     if dropout_p != 0.0:
         raise NotImplementedError("tilefuse.scaled_dot_product_attention has no dropout; use dropout_p=0.0")
     if _dtensor.any_dtensor(query, key, value, attn_mask):
-        return _dtensor.heads(query, key, value, (attn_mask,), lambda q, k, v, m: scaled_dot_product_attention(
-            q, k, v, m, 0.0, is_causal, scale, enable_gqa))
+        return _dtensor.heads(query, key, value, (attn_mask,), lambda q, k, v, m: sdpa_heads_last(
+            q, k, v, m, 0.0, is_causal, scale, enable_gqa, heads_last=heads_last))
     cast = _dispatch.autocast_dtype(query) if isinstance(query, torch.Tensor) else None
     if cast is not None:  # as torch's SDPA under autocast (a float mask follows the inputs)
         query, key, value = _dispatch.cast_floats(cast, query, key, value)
@@ -454,7 +463,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     mask4 = _to_4d(attn_mask, score_shape) if attn_mask is not None else None
     scale = None if scale is None else float(scale)
     right = 0 if is_causal else -1
-    out, _ = _run(q4, k4, v4, mask4, scale, False, -1, right, False, "scaled_dot_product_attention")
+    out, _ = _run(q4, k4, v4, mask4, scale, False, -1, right, False, "scaled_dot_product_attention",
+                  out_bnhd=heads_last)
     return out.reshape(out_shape)
 
 
