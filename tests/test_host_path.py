@@ -33,7 +33,7 @@ CASES = {
     "attention": ((1, 4, 4, 128, 128), ["attention_fwd_ws_kernel"]),
     "sdpa": ((1, 2, 2, 128, 128, 64), ["attention_fwd_kernel"]),
     # bf16, d = 128, K a multiple of 8: the Hopper TMA kernel, one launch per projection
-    "qkv_projection": ((1, 64, 256, 4, 4, 128), ["qkv_projection_tma_kernel"] * 3),
+    "qkv_projection": ((1, 128, 256, 4, 4, 128), ["qkv_projection_tma_kernel"] * 3),
 }
 
 
@@ -492,7 +492,7 @@ def test_qkv_projection_reads_a_conv1d_weight_in_place_and_replays(pinned_tuners
     it lies (each launch's weight pointer is inside the parameter: no per-call copy), on Hopper through the TMA
     kernel's [K, rows] tiles, and the second call replays the first one's launches with the new outputs."""
     import tilefuse
-    B, N, K, H, d = 2, 16, 256, 4, 64
+    B, N, K, H, d = 2, 64, 256, 4, 64  # M = 128: one full row tile of the TMA kernel
     x = torch.randn(B, N, K).bfloat16()
     c_attn = torch.randn(K, 3 * H * d).bfloat16()  # Conv1D's weight layout
     bias = torch.randn(3 * H * d).bfloat16()
@@ -509,3 +509,14 @@ def test_qkv_projection_reads_a_conv1d_weight_in_place_and_replays(pinned_tuners
         assert span[0] <= w_ptr < span[1], "the weight must be read in place, not copied"
     for t in (q, k, v):
         assert t.shape == ((B, H, N, d) if layout == "bhnd" else (B, N, H, d)) and t.is_contiguous()
+
+
+def test_qkv_projection_at_decode_size_keeps_the_pointer_kernel(pinned_tuners):
+    """Fewer rows than one TMA row tile (M = 16): the one-loop pointer kernel, one 64-row program per head."""
+    import tilefuse
+    x = torch.randn(1, 16, 256).bfloat16()
+    w = torch.randn(3 * 4 * 64, 256).bfloat16()
+    with torch.no_grad(), stubbed_launches() as launches:
+        tilefuse.qkv_projection(x, w, None, num_heads=4)
+    assert [launch.kernel for launch in launches] == ["qkv_projection_head_kernel"] * 3
+    assert all(launch.grid == (1, 4) for launch in launches)

@@ -141,7 +141,13 @@ def test_whole_head_tiles_and_the_conv1d_layout(device, H, Hkv, d, r, norm, conv
     leaf_w = stored.clone().requires_grad_()
     leaf_x = x.clone().requires_grad_()
     weight = leaf_w.t() if conv1d else leaf_w
-    outs = tilefuse.qkv_projection(leaf_x, weight, bias, num_heads=H, num_kv_heads=Hkv, rotary=rotary, qk_norm=qk)
+    from tilefuse.kernels import launches
+    with launches.recording() as records:
+        outs = tilefuse.qkv_projection(leaf_x, weight, bias, num_heads=H, num_kv_heads=Hkv, rotary=rotary,
+                                       qk_norm=qk)
+    if ON_GPU:  # the H200 takes the TMA kernel for all three projections here
+        (rec,) = [r for r in records if r.op == "qkv_projection"]
+        assert rec.config.count("tma") == 3, rec.describe()
     ref_x, ref_w = x.double().requires_grad_(), stored.double().requires_grad_()
     ws = (ref_w.t() if conv1d else ref_w).split([H * d, Hkv * d, Hkv * d])
     want = reference.qkv_projection(ref_x, ws, bias.double().split([H * d, Hkv * d, Hkv * d]), H, Hkv,

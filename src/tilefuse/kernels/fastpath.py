@@ -208,9 +208,9 @@ class _Capture:
                 if isinstance(value, torch.Tensor):
                     ptr = value.data_ptr()
                     hits = [i for i, sp in enumerate(spans) if sp is not None and sp[0] <= ptr < sp[1]]
-                    if len(hits) > 1:  # interleaved views (a Conv1D weight's q/k/v columns): the one starting here
-                        starts = [i for i in hits if spans[i][0] == ptr]
-                        hits = starts if len(starts) == 1 else hits
+                    if len(hits) > 1:  # interleaved views (a Conv1D weight's q/k/v columns): the one passed
+                        same = [i for i in hits if slots[i] is value]
+                        hits = same if len(same) == 1 else hits
                     if len(hits) == 1:
                         slot = hits[0]
                         sources.append((pos, slot, ptr - spans[slot][0]))

@@ -213,6 +213,7 @@ def qkv_projection(x: torch.Tensor, weight, bias=None, *, num_heads: int, num_kv
             if tuple(t.shape) != (d,):
                 raise ValueError(f"{name} must be [{d}] (the head dim), got {tuple(t.shape)}")
         eps = float(eps)
+        q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()  # the kernels read them at unit stride
     # Read in place with a unit stride on either dim (nn.Linear's layout, or GPT-2's Conv1D weight transposed).
     wq, wk, wv = (w if K <= 1 or 1 in w.stride() else w.contiguous() for w in (wq, wk, wv))
     if cos is not None and grad_needed(cos, sin):

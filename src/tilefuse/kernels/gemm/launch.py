@@ -604,7 +604,8 @@ _QKV = fastpath.Plans("qkv_projection")
 # The Hopper QKV kernel's tile per (head dim, RoPE or QK-norm in the epilogue): (BLOCK_M, heads per tile,
 # num_warps, num_stages). Plain d 128 takes two heads (128x256, as the linear TMA table's fastest tiles); with
 # RoPE or QK-norm two heads spill on sm_90a (40 bytes), one head does not. d 256 takes 64 rows. The compile
-# facts are in tests/test_sm90_compile.py; not yet measured.
+# facts are in tests/test_sm90_compile.py; not yet measured. Emptying it (before the first call, or followed by
+# fastpath.clear_all(): captured plans keep their kernels) leaves every call to the pointer kernels.
 QKV_TMA_TILES = {(64, False): (128, 2, 8, 4), (64, True): (128, 2, 8, 4), (128, False): (128, 2, 8, 3),
                  (128, True): (128, 1, 8, 4), (256, False): (64, 1, 8, 3), (256, True): (64, 1, 8, 3)}
 QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M = 64, 8
@@ -647,8 +648,11 @@ def _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inte
                        float(qk_norm[2]) if use_norm else 0.0)
         w_kn = w.stride(1) != 1  # the transposed view of a Conv1D weight: unit stride down the rows
         tma_tile = QKV_TMA_TILES.get((head_dim, use_rope or use_norm))
+        # Hopper's shared memory (the tiles are sized for its 227 KB), 16-bit operands, at least one full row
+        # tile (decode-sized M keeps the pointer kernel's 64-row tiles, one program per head).
         if (tma_tile is not None and (not use_rope or rot == head_dim) and x2d.dtype != torch.float32
-                and tma_supported(x2d, w.t() if w_kn else w)):
+                and M >= tma_tile[0] and tma_supported(x2d, w.t() if w_kn else w)
+                and runtime.device_facts(x2d.device)[0] == 9):
             block_m, per_tile, warps, stages = tma_tile
             per_tile = min(per_tile, h)
             ensure_descriptor_allocator()
@@ -661,6 +665,8 @@ def _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inte
                      BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, num_warps=warps, num_stages=stages))
             forms.append(f"tma {block_m}x{per_tile * head_dim}x{QKV_TMA_BLOCK_K} w{warps} s{stages}")
             continue
+        if w_kn and (K - 1) * w.stride(1) >= 2**31:  # the pointer kernels' K offsets are 32-bit
+            w = w.contiguous()
         flags.update(INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
                      UPCAST_DOT=interpret and x2d.dtype == torch.bfloat16, **tile)
         block_d = max(16, sizes.next_pow2(head_dim))
