@@ -13,7 +13,8 @@
 # TILEFUSE_REGISTRY_STRIDE=k to run every k-th registry-grid case (tests/conftest.py),
 # HOST_PER_OP=1 to time the host side of every op first (benchmarks/host_per_op.py: this tree with and
 # without the launch layer's fast path, and the tree carried in .carry/old/src when there is one),
-# REPORT_ARGS extra arguments for `tilefuse report` (e.g. "--quick --anchors eager cublaslt").
+# REPORT_ARGS extra arguments for `tilefuse report`, split as a shell would (quotes group words, no globbing:
+# REPORT_ARGS="--anchors 'eager unfused' 'torch.compile.*'").
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tilefuse_out}
@@ -89,8 +90,10 @@ if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   tail -3 "$OUT/sanitizer.log"
 fi
 if [ "${REPORT:-1}" = 1 ]; then
+  REPORT_ARGV=()
+  if [ -n "${REPORT_ARGS:-}" ]; then set -f; eval "REPORT_ARGV=(${REPORT_ARGS})"; set +f; fi
   timeout "$(( $(left) - 25 ))" python3 -m tilefuse report --no-progress --out "$OUT/report" \
-    ${OPS[@]:+--ops "${OPS[@]}"} ${REPORT_ARGS:-} > "$OUT/report.log" 2>&1
+    ${OPS[@]:+--ops "${OPS[@]}"} ${REPORT_ARGV[@]+"${REPORT_ARGV[@]}"} > "$OUT/report.log" 2>&1
   echo "report exit: $?" >> "$OUT/report.log"
   tail -3 "$OUT/report.log"
   # This call's rows as the results table; after committing the report, regenerate benchmarks/RESULTS.md
