@@ -371,7 +371,7 @@ def test_qkv_projection_compiles_to_wgmma(rope, norm):
 def test_qkv_projection_head_kernel_compiles_without_spills(d, rope, norm, interleaved):
     """The one-loop QKV kernel (the head's d columns in one accumulator, the RoPE pairs split in registers), as
     launch.qkv_projection launches it (4 warps, 8 at d 256; 3 stages; 64 rows): wgmma, no spill, 16-byte tile
-    loads. The three-part kernel spilled 436-644 bytes at d 128, with 128 one-element loads under RoPE."""
+    loads."""
     consts = dict(HAS_BIAS=True, HAS_ROPE=rope, INTERLEAVED=interleaved, HAS_NORM=norm, INPUT_PRECISION="tf32",
                   UPCAST_DOT=False, BLOCK_M=64, BLOCK_D=d, BLOCK_K=64)
     sig = {"*": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"}

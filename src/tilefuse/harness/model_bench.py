@@ -10,11 +10,10 @@ eager model, and torch.compile over the patched one.
   20, 40, ... (within 1% asked).
 - train, noise floor: with eager among the variants, eager is trained a second time, built identically but with
   HF's SDPA attention forced onto another PyTorch SDPA backend (``noise_floor_backend``), in ``noise_floor``
-  (not timed, not among the variants or the ratios). Two equally valid implementations drift this far apart
-  in this setting (bf16 AdamW on a loss plateau whose escape step is chaotic: on the H200 the same eager
-  GPT-2-small command ended at 6.69 in one process and 10.39 in another), so a variant's 1% check reads
-  against it: every variant's ``max_rel_loss_diff_vs_eager`` (max of |loss - eager| / |eager| over the
-  ``loss_checkpoint_steps``) beside the noise floor's.
+  (not timed, not among the variants or the ratios): how far two equally valid implementations drift apart
+  in this setting (bf16 AdamW on a loss plateau whose escape step is chaotic; benchmarks/NOTES.md has the
+  runs). Each variant's ``max_rel_loss_diff_vs_eager`` (max of |loss - eager| / |eager| over the
+  ``loss_checkpoint_steps``) reads against the noise floor's.
 Models: Llama-7B shape (32 layers, hidden 4096, MLP 11008, 32 heads), GPT-2-medium shape (n_positions 2048),
 Llama-1B shape (16 layers, hidden 2048, MLP 8192, GQA 32/8, vocab 128256, untied) and GPT-2-small shape; on a
 CPU each becomes a tiny configuration of the same family (the kernels run in the Triton interpreter: the

@@ -1,4 +1,5 @@
-"""Tile-order helpers shared by the GEMM kernels, and the descriptor allocator the TMA kernels need."""
+"""Tile helpers shared by the GEMM kernels (tile order, a tile's column halves), and the descriptor allocator
+the TMA kernels need."""
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +18,12 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_pid_m + ((tile_id % pids_per_group) % group_size_m)
     pid_n = (tile_id % pids_per_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def column_halves(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    """The two column halves [BLOCK_M, HALF] of a [BLOCK_M, 2 * HALF] tile: columns [0, HALF) and [HALF, 2 HALF)."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
 
 
 def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:

@@ -603,8 +603,8 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
 _QKV = fastpath.Plans("qkv_projection")
 # The Hopper QKV kernel's tile per (head dim, RoPE or QK-norm in the epilogue): (BLOCK_M, heads per tile,
 # num_warps, num_stages). Plain d 128 takes two heads (128x256, as the linear TMA table's fastest tiles); with
-# RoPE or QK-norm two heads spill on sm_90a (40 bytes), one head does not. d 256 takes 64 rows. The compile
-# facts are in tests/test_sm90_compile.py; not yet measured. Emptying it (before the first call, or followed by
+# RoPE or QK-norm two heads spill on sm_90a and one head does not. d 256 takes 64 rows. The compile test
+# (tests/test_sm90_compile.py) holds these tiles spill-free. Emptying it (before the first call, or followed by
 # fastpath.clear_all(): captured plans keep their kernels) leaves every call to the pointer kernels.
 QKV_TMA_TILES = {(64, False): (128, 2, 8, 4), (64, True): (128, 2, 8, 4), (128, False): (128, 2, 8, 3),
                  (128, True): (128, 1, 8, 4), (256, False): (64, 1, 8, 3), (256, True): (64, 1, 8, 3)}

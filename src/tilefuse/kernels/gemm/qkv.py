@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tilefuse.kernels.tiling import grouped_tile
+from tilefuse.kernels.tiling import column_halves, grouped_tile
 
 
 @triton.jit
@@ -242,7 +242,7 @@ def qkv_projection_tma_kernel(
         n = offs_m64 % N_SEQ
         head = pid_n * HEADS_PER_TILE
         if HEADS_PER_TILE == 2:
-            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HEAD_DIM)), (0, 2, 1)))
+            acc0, acc1 = column_halves(acc, BLOCK_M, HEAD_DIM)
             _head_epilogue(acc0, head, HEADS, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64, mask_m, b, n,
                            HEAD_DIM, stride_ob, stride_oh, stride_on, stride_cb, stride_cn, eps, HAS_BIAS, HAS_ROPE,
                            INTERLEAVED, HAS_NORM, BLOCK_M, HEAD_DIM)

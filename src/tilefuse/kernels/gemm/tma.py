@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tilefuse.kernels.activations import activation_slope, apply_activation, apply_gated, gated_slopes
-from tilefuse.kernels.tiling import grouped_tile
+from tilefuse.kernels.tiling import column_halves, grouped_tile
 
 
 @triton.jit
@@ -129,8 +129,8 @@ def linear_tma_kernel(
         # bias and activation run on one N-half at a time, which halves the live temporaries of the
         # activation (the 128x256 tile otherwise spills).
         if EPILOGUE_SUBTILE:
-            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            up_lo, up_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            acc_lo, acc_hi = column_halves(acc, BLOCK_M, BLOCK_N // 2)
+            up_lo, up_hi = column_halves(acc_up, BLOCK_M, BLOCK_N // 2)
             pre, pre_up = _pre_activation(acc_lo, up_lo, b_ptr, bu_ptr, mean, rstd, off_n, N, HAS_BIAS, GATED,
                                           NORM, BLOCK_N // 2)
             if SAVE_SLOPE:
