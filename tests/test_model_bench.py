@@ -80,3 +80,27 @@ def test_bad_arguments_are_refused_before_any_work():
         model_bench.resolve("train", "llama-70b", None, False)
     with pytest.raises(mlp_train.BenchArgumentError, match="unknown variant"):
         model_bench.resolve("prefill", None, ["fast"], False)
+
+
+def test_cli_compile_mode_reaches_the_compiled_variants(tmp_path, monkeypatch, capsys):
+    """--compile-mode is the mode each compiled variant is built with, and the one the JSON records (training
+    stubbed: only the argument's path is checked); a mode torch.compile does not have is refused by the parser."""
+    from tilefuse import cli
+
+    seen = []
+
+    def fake_train(variant, name, batch, seq, steps, warmup, seed, on_gpu, compile_mode, *args,
+                   other_sdpa_backend=False):
+        seen.append((variant, compile_mode))
+        return {"tokens_per_s": 1.0, "step_ms": 1.0, "peak_memory_bytes": None, "loss_curve": [1.0] * steps,
+                "final_loss": 1.0, "patch_s": None, "compiled_graphs": 1, "graph_breaks": 0, "error": None}
+    monkeypatch.setattr(model_bench, "_train", fake_train)
+    out = tmp_path / "bench"
+    rc = cli.main(["bench", "train", "--model", "gpt2-small", "--variants", "torch.compile", "--steps", "2",
+                   "--compile-mode", "max-autotune", "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    assert seen == [("torch.compile", "max-autotune")]
+    assert json.loads((out / "train.json").read_text())["compile"]["mode"] == "max-autotune"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "prefill", "--compile-mode", "fastest"])
+    assert exc.value.code == 2 and "--compile-mode" in capsys.readouterr().err

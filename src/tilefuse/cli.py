@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                    "space, e.g. torch.compile-over-tilefuse)")
     m.add_argument("--out", default="bench-mlp-train", help="output folder (default: ./bench-mlp-train)")
     m.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data (default 0)")
+    _compile_mode_argument(m)
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
     for kind, what, default in (
             ("prefill", "one forward of B x N tokens (eval, no grad): median ms of each variant and the logits' "
@@ -76,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
             kind, help=f"Hugging Face models from their configs: {what}",
             description=f"{what.capitalize()}, for a Hugging Face model built from its config (random weights, "
             "no downloads, dropout 0): HF eager, tilefuse.patch-ed, torch.compile of the eager model and "
-            "torch.compile over the patched one (mode=\"max-autotune-no-cudagraphs\" on a GPU). bf16 on a GPU; "
-            "without one, a tiny configuration of the same family in the Triton interpreter (times mean nothing "
+            "torch.compile over the patched one (mode=\"max-autotune-no-cudagraphs\" on a GPU unless "
+            "--compile-mode says). bf16 on a GPU; without one, a tiny configuration of the same family in the Triton interpreter (times mean nothing "
             f"there). Writes {kind}.json and a PNG.")
         k.add_argument("--model", default=None, help=f"one of: llama-7b, llama-1b, gpt2-medium, gpt2-small "
                        f"(default {default})")
@@ -90,8 +91,19 @@ def _parser() -> argparse.ArgumentParser:
             k.add_argument("--repeats", type=int, default=10, help="timed forwards per variant (default 10)")
         k.add_argument("--out", default=f"bench-{kind}", help=f"output folder (default: ./bench-{kind})")
         k.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+        _compile_mode_argument(k)
         k.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _compile_mode_argument(parser) -> None:
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
+                        help="torch.compile's mode for the compiled variants (default: max-autotune-no-cudagraphs "
+                        "on a GPU, default on a CPU; max-autotune of a whole training step can take many minutes, "
+                        "the JSON records the mode used)")
 
 
 def _prepare_interpreter() -> None:
@@ -278,7 +290,8 @@ def cmd_bench_mlp_train(args) -> int:
                   f"{', '.join(defaulted)} (times mean nothing here; losses are real)")
     try:
         result = mlp_train.run_mlp_train(d=args.d, steps=args.steps, tokens=args.tokens, variants=args.variants,
-                                         out_dir=args.out, seed=args.seed, progress=not args.no_progress)
+                                         out_dir=args.out, seed=args.seed, progress=not args.no_progress,
+                                         compile_mode=args.compile_mode)
     except mlp_train.BenchArgumentError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -312,7 +325,7 @@ def cmd_bench_model(args) -> int:
         model_bench.resolve(args.bench, args.model, args.variants, torch.cuda.is_available())
         result = model_bench.run(args.bench, args.model, args.variants, args.out, args.seed,
                                  steps=getattr(args, "steps", None), repeats=getattr(args, "repeats", 10),
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress, compile_mode=args.compile_mode)
     except mlp_train.BenchArgumentError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -287,10 +287,12 @@ def resolve_args(d, steps, tokens, variants, on_gpu: bool):
 
 
 def run_mlp_train(d: int | None = None, steps: int | None = None, tokens: int | None = None,
-                  variants=None, out_dir="bench-mlp-train", seed: int = 0, progress: bool = True) -> dict:
+                  variants=None, out_dir="bench-mlp-train", seed: int = 0, progress: bool = True,
+                  compile_mode: str | None = None) -> dict:
     """Train every variant ``steps`` steps from the same weights and data; write ``mlp_train.json`` and
     ``loss_curves.png`` into ``out_dir`` and return the JSON's content. Sizes left None take
-    :func:`default_sizes` (tiny without a GPU)."""
+    :func:`default_sizes` (tiny without a GPU). ``compile_mode``: torch.compile's mode for the compiled variants
+    (None: GPU_COMPILE_MODE on a GPU, torch's default on a CPU)."""
     from rich.progress import Progress
 
     from tilefuse.harness.report import _quiet_interpreter_math, environment
@@ -299,7 +301,8 @@ def run_mlp_train(d: int | None = None, steps: int | None = None, tokens: int | 
     d, steps, tokens, chosen = resolve_args(d, steps, tokens, variants, on_gpu)
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    compile_mode = GPU_COMPILE_MODE if on_gpu else None
+    if compile_mode is None:
+        compile_mode = GPU_COMPILE_MODE if on_gpu else None
     warmup = min(WARMUP_STEPS, steps // 2)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

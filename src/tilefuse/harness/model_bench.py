@@ -221,15 +221,18 @@ def resolve(kind: str, model: str | None, variants, on_gpu: bool):
 
 
 def run(kind: str, model: str | None = None, variants=None, out_dir: str = "bench", seed: int = 0,
-        steps: int | None = None, repeats: int = 10, progress: bool = True) -> dict:
-    """Run the prefill or train benchmark over the chosen variants; writes JSON and a PNG into ``out_dir``."""
+        steps: int | None = None, repeats: int = 10, progress: bool = True, compile_mode: str | None = None) -> dict:
+    """Run the prefill or train benchmark over the chosen variants; writes JSON and a PNG into ``out_dir``.
+    ``compile_mode``: torch.compile's mode for the compiled variants (None: GPU_COMPILE_MODE on a GPU, torch's
+    default on a CPU)."""
     from rich.progress import Progress
 
     from tilefuse.harness.report import _quiet_interpreter_math, environment
     on_gpu = torch.cuda.is_available()
     name, chosen = resolve(kind, model, variants, on_gpu)
     _, _, prefill_shape, train_shape = MODELS[name]
-    compile_mode = GPU_COMPILE_MODE if on_gpu else None
+    if compile_mode is None:
+        compile_mode = GPU_COMPILE_MODE if on_gpu else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
