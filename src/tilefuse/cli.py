@@ -78,8 +78,8 @@ def _parser() -> argparse.ArgumentParser:
             description=f"{what.capitalize()}, for a Hugging Face model built from its config (random weights, "
             "no downloads, dropout 0): HF eager, tilefuse.patch-ed, torch.compile of the eager model and "
             "torch.compile over the patched one (mode=\"max-autotune-no-cudagraphs\" on a GPU unless "
-            "--compile-mode says). bf16 on a GPU; without one, a tiny configuration of the same family in the Triton interpreter (times mean nothing "
-            f"there). Writes {kind}.json and a PNG.")
+            "--compile-mode says). bf16 on a GPU; without one, a tiny configuration of the same family in the "
+            f"Triton interpreter (times mean nothing there). Writes {kind}.json and a PNG.")
         k.add_argument("--model", default=None, help=f"one of: llama-7b, llama-1b, gpt2-medium, gpt2-small "
                        f"(default {default})")
         k.add_argument("--variants", nargs="+", metavar="NAME", help="a subset of: eager, tilefuse, torch.compile, "
