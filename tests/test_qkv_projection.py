@@ -97,6 +97,27 @@ def test_gradients_through_rope_and_qk_norm(device, interleaved, norm, layout):
     for i, (got, exp) in enumerate(zip(leaves, ref)):
         assert_close(got.grad, exp.grad, BOUND, f"grad {i}")
 
+def test_gradients_with_unused_outputs_frozen_weights_and_a_missing_bias(device):
+    """The backward stacks the three projections' gradients: an unused output (v) counts as a zero gradient,
+    a frozen weight and a missing bias get nothing, and the others still match float64."""
+    H, Hkv, d = 4, 2, 16
+    x = _rand(B, N, K, seed=0, device=device)
+    ws = [_rand(h * d, K, seed=1 + i, scale=K ** -0.5, device=device) for i, h in enumerate((H, Hkv, Hkv))]
+    bq, bk = _rand(H * d, seed=5, device=device), _rand(Hkv * d, seed=6, device=device)
+    lx = x.clone().requires_grad_()
+    lwq, lwv = ws[0].clone().requires_grad_(), ws[2].clone().requires_grad_()
+    lbq = bq.clone().requires_grad_()
+    q, k, v = tilefuse.qkv_projection(lx, (lwq, ws[1], lwv), (lbq, bk, None), num_heads=H, num_kv_heads=Hkv)
+    gq, gk = _rand(*q.shape, seed=20, device=device), _rand(*k.shape, seed=21, device=device)
+    torch.autograd.backward([q, k], [gq, gk])  # v unused: its gradient never arrives
+    rx, rwq, rwv, rbq = (t.detach().double().requires_grad_() for t in (x, ws[0], ws[2], bq))
+    want = reference.qkv_projection(rx, [rwq, ws[1].double(), rwv], [rbq, bk.double(), None], H, Hkv, None, False,
+                                    None)
+    torch.autograd.backward(list(want[:2]), [gq.double(), gk.double()])
+    for name, got, exp in (("x", lx, rx), ("W_q", lwq, rwq), ("b_q", lbq, rbq)):
+        assert_close(got.grad, exp.grad, BOUND, f"grad {name}")
+    assert lwv.grad is not None and not lwv.grad.any(), "W_v's gradient with v unused is zero"
+
 
 def test_module_state_dict_and_shared_parameters(device):
     H, Hkv, d = 4, 2, 16

@@ -3,7 +3,7 @@ QK-norm applied in the GEMM's epilogue.
 
 Registered as ``tilefuse::qkv_projection``, with autograd: the backward undoes RoPE (the transposed
 rotation) and QK-norm (recomputing the projection's heads) in PyTorch, then runs tilefuse's linear backward
-GEMMs per projection. GPT-2's ``Conv1D`` ``c_attn`` keeps its weight as [K, 3K]
+once over the three projections stacked. GPT-2's ``Conv1D`` ``c_attn`` keeps its weight as [K, 3K]
 (transposed): pass ``c_attn.weight.t()``, a view with a unit row stride, which the kernels read in place
 (on Hopper the TMA kernel loads its [K, rows] tiles as they lie; no copy, the same HBM bytes as nn.Linear's
 layout). A weight with no unit stride on either dim is copied once per call.
@@ -85,47 +85,62 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dq, dk, dv):
-    """Per projection: undo RoPE (cos * do - R(sin * do) on the rotated dims, R the rotation, R^T = -R), undo
-    QK-norm (RMSNorm's backward on the recomputed heads; its weight's gradient summed here), then the
-    linear backward GEMMs (tilefuse.ops.linear.linear_grads) on the head-major gradient."""
+    """The three projections' gradients in head layout become one [B, N, (H + 2*Hkv), d] tensor in x's dtype
+    -- q's and k's first through the transposed RoPE (cos * do - R(sin * do) on the rotated dims, R the
+    rotation, R^T = -R) and QK-norm's backward (RMSNorm's on the recomputed heads; its weight's gradient
+    summed here), in fp32 -- so one linear backward (tilefuse.ops.linear.linear_grads) over the stacked
+    weights makes dx, dW and db of all three: one dx GEMM reducing over every projection, no sum of three."""
     x, wq, wk, wv, bq, bk, bv, cos, sin, q_norm, k_norm = ctx.saved_tensors
     num_heads, num_kv_heads, interleaved, eps, layout = ctx.args
     needs = ctx.needs_input_grad
     B, N, K = x.shape
-    x2d = x.reshape(B * N, K)
     d = wq.shape[0] // num_heads
-    dx = None
-    grads_w, grads_b, grads_n = [None] * 3, [None] * 3, [None, None]
-    for i, (g, w, b, h) in enumerate(zip((dq, dk, dv), (wq, wk, wv), (bq, bk, bv),
-                                         (num_heads, num_kv_heads, num_kv_heads))):
+    heads = (num_heads, num_kv_heads, num_kv_heads)
+    weights, biases = (wq, wk, wv), (bq, bk, bv)
+    need_dx, need_dw = needs[0], any(needs[1:4])
+    need_db = any(b is not None and needs[4 + i] for i, b in enumerate(biases))
+    grads_n = [None, None]
+    dy = x.new_empty((B, N, sum(heads), d))
+    first = 0
+    for i, (g, w, b, h) in enumerate(zip((dq, dk, dv), weights, biases, heads)):
+        part = dy[:, :, first:first + h]  # [B, N, h, d]
+        first += h
         if g is None:
+            part.zero_()
             continue
-        g = (g if layout == "bhnd" else g.transpose(1, 2)).float()  # [B, h, N, d]
-        if i < 2 and cos is not None:
-            r = cos.shape[-1]
-            c, s_ = (t[:, None] if t.dim() == 3 else t[None, None] for t in (cos.float(), sin.float()))
-            rot = g[..., :r]
-            g = torch.cat([rot * c - _rotate(rot * s_, interleaved), g[..., r:]], dim=-1)
+        g = g if layout == "bhnd" else g.transpose(1, 2)  # [B, h, N, d]
         norm_w = (q_norm, k_norm)[i] if i < 2 else None
-        if norm_w is not None:
-            pre = linear(x, w, b).view(B, N, h, d).transpose(1, 2).float()
-            rstd = torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + eps)
-            normed = pre * rstd
-            if needs[12 + i]:
-                grads_n[i] = (g * normed).sum((0, 1, 2)).to(norm_w.dtype)
-            gn = g * norm_w.float()
-            g = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
-        dy = g.transpose(1, 2).reshape(B * N, h * d).to(x.dtype)
-        need_dx, need_dw, need_db = needs[0], needs[1 + i], b is not None and needs[4 + i]
-        if not (need_dx or need_dw or need_db):
-            continue
-        gx, gw, gb = linear_grads(dy, x2d, w, None, need_dx, need_dw, need_db)
+        if i < 2 and (cos is not None or norm_w is not None):
+            g = g.float()
+            if cos is not None:
+                r = cos.shape[-1]
+                c, s_ = (t[:, None] if t.dim() == 3 else t[None, None] for t in (cos.float(), sin.float()))
+                rot = g[..., :r]
+                g = torch.cat([rot * c - _rotate(rot * s_, interleaved), g[..., r:]], dim=-1)
+            if norm_w is not None:
+                pre = linear(x, w, b).view(B, N, h, d).transpose(1, 2).float()
+                rstd = torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + eps)
+                normed = pre * rstd
+                if needs[12 + i]:
+                    grads_n[i] = (g * normed).sum((0, 1, 2)).to(norm_w.dtype)
+                gn = g * norm_w.float()
+                g = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+        part.copy_(g.transpose(1, 2))
+    dx, grads_w, grads_b = None, [None] * 3, [None] * 3
+    if need_dx or need_dw or need_db:
+        rows = [h * d for h in heads]
+        # The weights stacked: a copy of W per backward (2 * rows * K * s bytes, ~1% of the two GEMMs'
+        # time at Llama-7B's shape), and dW comes back as one tensor split into the three projections'.
+        gx, gw, gb = linear_grads(dy.view(B * N, -1), x.reshape(B * N, K), torch.cat(weights), None, need_dx,
+                                  need_dw, need_db)
         if need_dx:
-            dx = gx if dx is None else dx + gx
-        grads_w[i] = gw if need_dw else None
-        grads_b[i] = gb if need_db else None
-    return (None if dx is None else dx.view(B, N, K), *grads_w, *grads_b, None, None, None, None, None,
-            grads_n[0], grads_n[1], None, None)
+            dx = gx.view(B, N, K)
+        if need_dw:
+            grads_w = [g if needs[1 + i] else None for i, g in enumerate(gw.split(rows))]
+        if need_db:
+            grads_b = [g if b is not None and needs[4 + i] else None
+                       for i, (g, b) in enumerate(zip(gb.split(rows), biases))]
+    return (dx, *grads_w, *grads_b, None, None, None, None, None, grads_n[0], grads_n[1], None, None)
 
 
 _qkv_op.register_autograd(_backward, setup_context=_setup)
