@@ -110,14 +110,17 @@ def pytest_runtest_logreport(report):
 
 @pytest.fixture
 def tma_launch_device(monkeypatch):
-    """The device for tests that launch the Hopper (TMA) kernels directly: the GPU, or on a CPU the
-    interpreter (which runs tensor descriptors) with an sm_90 device of 3 SMs, so persistent programs
-    loop over several tiles, and descriptor scratch in host memory."""
+    """The device for tests of the Hopper (TMA) kernels: the GPU, or on a CPU the interpreter (which runs
+    tensor descriptors) with an sm_90 device of 3 SMs, so persistent programs loop over several tiles, host
+    tensors taken as TMA-capable (launches that choose by device pick the TMA kernels), and descriptor
+    scratch in host memory."""
     if ON_GPU:
         return torch.device("cuda")
     import triton
     from tilefuse import runtime
+    from tilefuse.kernels.gemm import launch
 
     monkeypatch.setattr(runtime, "device_facts", lambda device: (9, 3))
+    monkeypatch.setattr(launch, "tma_device", lambda t: True)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
     return torch.device("cpu")

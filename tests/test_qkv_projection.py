@@ -183,3 +183,52 @@ def test_whole_head_tiles_and_the_conv1d_layout(device, H, Hkv, d, r, norm, conv
     assert leaf_w.grad.shape == stored.shape
     assert_close(leaf_w.grad, ref_w.grad, BOUND, "grad W")
     assert_close(leaf_x.grad, ref_x.grad, BOUND, "grad x")
+
+
+@pytest.mark.parametrize("H,Hkv,d,r,norm,conv1d,layout", [
+    (2, 1, 96, 96, True, False, "bhnd"),    # Phi-3's d: the rotary halves (48) padded to 64 each
+    (3, 1, 80, 32, False, True, "bnhd"),    # Phi-2's partial rotary, GPT-2's Conv1D layout
+    (2, 2, 64, 16, True, False, "bhnd"),    # partial rotary on a power-of-two d
+    (2, 1, 24, 0, True, True, "bhnd"),      # QK-norm alone on a small d: one pass-through part
+    (2, 1, 64, 64, True, False, "bnhd"),    # the whole-head TMA kernel (two heads per tile) beside them
+])
+def test_hopper_tma_kernels_on_head_dims_that_are_not_split_in_registers(tma_launch_device, H, Hkv, d, r, norm,
+                                                                         conv1d, layout):
+    """The Hopper TMA kernels as the launch picks them at M >= 128 for 16-bit operands (on a CPU in the
+    interpreter, an sm_90 of 3 SMs): the parts form for every rotate-half case the whole-head kernel does not
+    take, the whole-head form for d 64; values against float64, and the forms the launch recorded."""
+    from tilefuse.kernels import launches
+
+    dev, dtype = tma_launch_device, torch.float16
+    b_, n_, k_ = (2, 70, 40) if dev.type == "cpu" else (2, 257, 1000)
+    gen = torch.Generator().manual_seed(3)
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(dev, dtype)  # noqa: E731
+    x = rnd(b_, n_, k_)
+    rows = (H + 2 * Hkv) * d
+    w = rnd(rows, k_, scale=k_ ** -0.5)
+    weight = w.t().contiguous().t() if conv1d else w  # Conv1D's [K, rows] storage, passed transposed
+    bias = rnd(rows)
+    rotary = None
+    if r:
+        inv = 1.0 / (10000 ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+        freqs = torch.arange(n_, dtype=torch.float64)[:, None] * inv
+        emb = torch.cat([freqs, freqs], -1)
+        rotary = (emb.cos().float().to(dev), emb.sin().float().to(dev))
+    qk = (rnd(d) * 0.5 + 1, rnd(d) * 0.5 + 1, 1e-6) if norm else None
+    with launches.recording() as records:
+        outs = tilefuse.qkv_projection(x, weight, bias, num_heads=H, num_kv_heads=Hkv, rotary=rotary, qk_norm=qk,
+                                       layout=layout)
+    (rec,) = [rec for rec in records if rec.op == "qkv_projection"]
+    forms = rec.config.removeprefix("q/k/v: ").split(", ")
+    assert len(forms) == 3, rec.describe()
+    for i, form in enumerate(forms):  # whole heads where d is 64/128/256 and RoPE, if any, covers all of d
+        whole = d in (64, 128, 256) and (not (r and i < 2) or r == d)
+        assert form.startswith("tma ") and ("parts" in form) != whole, (i, rec.describe())
+    split = [H * d, Hkv * d, Hkv * d]
+    want = reference.qkv_projection(x.double(), w.double().split(split), bias.double().split(split), H, Hkv,
+                                    None if rotary is None else tuple(t.double() for t in rotary), False,
+                                    None if qk is None else (qk[0].double(), qk[1].double(), qk[2]))
+    for got, exp, name in zip(outs, want, "qkv"):
+        exp = exp if layout == "bhnd" else exp.transpose(1, 2)
+        assert got.shape == exp.shape and got.is_contiguous(), (name, got.shape, exp.shape)
+        assert_close(got, exp, REL_L2_BOUND[dtype], name)

@@ -408,6 +408,28 @@ def test_qkv_projection_tma_kernel_compiles_to_wgmma_without_spills(d, rope, nor
     assert facts["scalar_16bit_loads"] <= 32, facts
 
 
+@pytest.mark.parametrize("d,r,norm,w_kn", [(96, 96, True, False), (80, 32, False, True), (192, 0, False, False),
+                                           (160, 160, True, False), (128, 32, True, False)])
+def test_qkv_projection_tma_parts_kernel_compiles_to_wgmma_without_spills(d, r, norm, w_kn):
+    """The Hopper QKV kernel's parts form (launch.qkv_tma_parts_tile) for the head dims the whole-head form does
+    not take and for partial rotary: wgmma from shared memory, no spill, within the H200's shared memory. d and
+    r are constexprs: as runtime values the parts' column masks were per-element registers and every one of
+    these spilled (255 registers, 44 B to 8 KB)."""
+    from tilefuse.kernels.gemm.launch import QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M, qkv_tma_parts_tile
+    tile = qkv_tma_parts_tile(d, r, r > 0)
+    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+    consts = dict(HEAD_DIM=d, ROT=r, HAS_BIAS=True, HAS_ROPE=r > 0, HAS_NORM=norm, W_KN=w_kn, NUM_SMS=132,
+                  BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, **tile)
+    sig = {"*": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"}
+    aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "norm_w_ptr", "K", "stride_xm",
+               "stride_w", "stride_ob", "stride_oh", "stride_on", "stride_cb", "stride_cn")
+    facts = compile_sm90("tilefuse.kernels.gemm.qkv", "qkv_projection_tma_parts_kernel", sig, consts, warps, stages,
+                         aligned=aligned)
+    assert facts["wgmma"] and not facts["wgmma_a_in_registers"], facts
+    assert facts["spill_store_bytes"] == 0, facts
+    assert facts["shared"] <= 227 * 1024, facts
+
+
 @pytest.mark.parametrize("kernel", ["qkv", "lce_forward"])
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 def test_fp32_gemm_kernels_honour_the_input_precision(kernel, precision):

@@ -89,7 +89,10 @@ QKV_PROJECTION = OpSpec(
                  dict(shape=(8, 2048, 768, 12, 12, 64), dtype=BF16),
                  dict(shape=(1, 2048, 4096, 32, 8, 128), dtype=BF16, rotary=128),
                  dict(shape=(1, 2048, 4096, 32, 32, 128), dtype=BF16, rotary=128),
-                 dict(shape=(1, 2048, 4096, 32, 8, 128), dtype=BF16, rotary=128, qk_norm=True)],
+                 dict(shape=(1, 2048, 4096, 32, 8, 128), dtype=BF16, rotary=128, qk_norm=True),
+                 # head dims that are not a power of two: Phi-3-mini's d 96 (full RoPE), Phi-2's d 80 (r 32)
+                 dict(shape=(1, 2048, 3072, 32, 32, 96), dtype=BF16, rotary=96),
+                 dict(shape=(1, 2048, 2560, 32, 32, 80), dtype=BF16, rotary=32)],
     accuracy_cases={
         "cpu": [dict(shape=(2, 9, 40, 4, 2, 16), dtype=d, rotary=16, qk_norm=True) for d in (FP32, BF16)],
         "gpu": [dict(shape=(2, 1024, 2048, 16, 4, 128), dtype=d, rotary=128, qk_norm=True) for d in (FP32, BF16)],

@@ -112,9 +112,14 @@ def split_k_slices(M: int, N: int, K: int, path: str, device) -> int:
     return split_k_for(M, N, K, runtime.device_facts(device)[1])
 
 
+def tma_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a GPU with TMA (sm_90+)."""
+    return t.is_cuda and runtime.device_facts(t.device)[0] >= 9
+
+
 def tma_supported(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
     """TMA needs unit inner strides, 16-byte-aligned row strides and base addresses, on sm_90+."""
-    if not (x2d.is_cuda and runtime.device_facts(x2d.device)[0] >= 9):
+    if not tma_device(x2d):
         return False
     s = x2d.element_size()
     for t in (x2d, *others):
@@ -609,6 +614,22 @@ _QKV = fastpath.Plans("qkv_projection")
 QKV_TMA_TILES = {(64, False): (128, 2, 8, 4), (64, True): (128, 2, 8, 4), (128, False): (128, 2, 8, 3),
                  (128, True): (128, 1, 8, 4), (256, False): (64, 1, 8, 3), (256, True): (64, 1, 8, 3)}
 QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M = 64, 8
+# The parts form (qkv.qkv_projection_tma_parts_kernel) for every other rotate-half case -- d 80, 96, 160, 192,
+# partial rotary: (BLOCK_M, num_warps, num_stages) by the width its accumulators take (padded parts): up to 128
+# columns 128 rows, wider 64 rows (as d 256 above). False leaves those cases to the pointer kernels.
+QKV_TMA_PARTS = True
+
+
+def qkv_tma_parts_tile(head_dim: int, rot: int, rope: bool) -> dict:
+    """The parts kernel's padded part widths and tile for one projection: BLOCK_R per rotary half (16 without
+    RoPE: unused), BLOCK_P for the pass-through columns (16 when RoPE covers all of d: unused)."""
+    block_r = max(16, sizes.next_pow2(rot // 2)) if rope else 16
+    has_pass = rot < head_dim
+    block_p = max(16, sizes.next_pow2(head_dim - rot)) if has_pass else 16
+    width = (2 * block_r if rope else 0) + (block_p if has_pass else 0)
+    block_m, stages = (128, 4) if width <= 128 else (64, 3)
+    return dict(BLOCK_R=block_r, BLOCK_P=block_p, HAS_PASS=has_pass, BLOCK_M=block_m, num_warps=8,
+                num_stages=stages)
 
 
 def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, layout,
@@ -628,7 +649,8 @@ def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inter
 
 
 def _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, interleaved, qk_norm, outs, path):
-    from tilefuse.kernels.gemm.qkv import qkv_projection_head_kernel, qkv_projection_kernel, qkv_projection_tma_kernel
+    from tilefuse.kernels.gemm.qkv import (qkv_projection_head_kernel, qkv_projection_kernel,
+                                           qkv_projection_tma_kernel, qkv_projection_tma_parts_kernel)
 
     M, K = x2d.shape
     interpret = path == runtime.INTERPRETER
@@ -650,9 +672,9 @@ def _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inte
         tma_tile = QKV_TMA_TILES.get((head_dim, use_rope or use_norm))
         # Hopper's shared memory (the tiles are sized for its 227 KB), 16-bit operands, at least one full row
         # tile (decode-sized M keeps the pointer kernel's 64-row tiles, one program per head).
-        if (tma_tile is not None and (not use_rope or rot == head_dim) and x2d.dtype != torch.float32
-                and M >= tma_tile[0] and tma_supported(x2d, w.t() if w_kn else w)
-                and runtime.device_facts(x2d.device)[0] == 9):
+        hopper_tma = (x2d.dtype != torch.float32 and tma_supported(x2d, w.t() if w_kn else w)
+                      and runtime.device_facts(x2d.device)[0] == 9)
+        if tma_tile is not None and (not use_rope or rot == head_dim) and hopper_tma and M >= tma_tile[0]:
             block_m, per_tile, warps, stages = tma_tile
             per_tile = min(per_tile, h)
             ensure_descriptor_allocator()
@@ -664,6 +686,21 @@ def _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inte
                 dict(flags, W_KN=w_kn, NUM_SMS=num_sms, BLOCK_M=block_m, HEAD_DIM=head_dim, HEADS_PER_TILE=per_tile,
                      BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, num_warps=warps, num_stages=stages))
             forms.append(f"tma {block_m}x{per_tile * head_dim}x{QKV_TMA_BLOCK_K} w{warps} s{stages}")
+            continue
+        parts = qkv_tma_parts_tile(head_dim, rot, use_rope)
+        if QKV_TMA_PARTS and hopper_tma and not (use_rope and interleaved) and M >= parts["BLOCK_M"]:
+            ensure_descriptor_allocator()
+            num_sms = runtime.device_facts(x2d.device)[1]
+            tiles = cdiv(M, parts["BLOCK_M"]) * h
+            fastpath.launch(qkv_projection_tma_parts_kernel, (min(num_sms, tiles),), (
+                x2d, w, b if b is not None else w, out, cos, sin, norm_w, M, seq_len, K, h,
+                x2d.stride(0), w.stride(1) if w_kn else w.stride(0), *out_strides),
+                dict(HEAD_DIM=head_dim, ROT=rot, HAS_BIAS=b is not None, HAS_ROPE=use_rope, HAS_NORM=use_norm, W_KN=w_kn, NUM_SMS=num_sms,
+                     BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, **parts))
+            widths = ([f"{parts['BLOCK_R']}+{parts['BLOCK_R']}"] if use_rope else []) + \
+                ([str(parts["BLOCK_P"])] if parts["HAS_PASS"] else [])
+            forms.append(f"tma parts {parts['BLOCK_M']}x({'+'.join(widths)})x{QKV_TMA_BLOCK_K} "
+                         f"w{parts['num_warps']} s{parts['num_stages']}")
             continue
         if w_kn and (K - 1) * w.stride(1) >= 2**31:  # the pointer kernels' K offsets are 32-bit
             w = w.contiguous()

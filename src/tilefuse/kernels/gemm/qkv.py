@@ -8,7 +8,9 @@ on another d) makes them as three accumulators, a K loop each -- the two rotary 
 [0, r/2) and [r/2, r); GPT-J: the even and odd columns of the first r) and the pass-through rest [r, d) --
 so the rotation pairs meet in registers. ``qkv_projection_tma_kernel`` (Hopper, 16-bit operands, a
 power-of-two d with RoPE over all of it or none) is the one-loop form as a persistent TMA GEMM, one or two
-whole heads per output tile. Then, in all three:
+whole heads per output tile; ``qkv_projection_tma_parts_kernel`` (Hopper, 16-bit, every other rotate-half
+case: d 80, 96, 160, 192, partial rotary) is the three-part form as one, with one K loop feeding the parts.
+Then, in all four:
 bias, QK-norm over the head's d columns (rstd from the three accumulators), RoPE with cos/sin of each row's
 position, and a store into q/k/v laid out [B, H, N, d] (or [B, N, H, d]) at the row's (b, n).
 HBM bytes (element size s): fused (M*K + (H + 2*Hkv)*d*K + M*(H + 2*Hkv)*d)*s + the cos/sin reads; eager
@@ -80,18 +82,7 @@ def qkv_projection_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     head, offs_m64, mask_m, b, n = _program_rows(M, N_SEQ, BLOCK_M)
-    half = ROT // 2
-    # Head columns of the three parts: rotary A / B (pairs) and the pass-through rest.
-    i = tl.arange(0, BLOCK_R)
-    mask_r = i < half
-    if INTERLEAVED:
-        col_a = 2 * i
-        col_b = 2 * i + 1
-    else:
-        col_a = i
-        col_b = i + half
-    col_p = ROT + tl.arange(0, BLOCK_P)
-    mask_p = col_p < HEAD_DIM
+    col_a, col_b, mask_r, col_p, mask_p = _part_columns(HEAD_DIM, ROT, INTERLEAVED, BLOCK_R, BLOCK_P)
     row0 = head * HEAD_DIM
     acc_a = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_a, mask_r, K, stride_xm, stride_wn, stride_wk,
                        INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
@@ -99,6 +90,41 @@ def qkv_projection_kernel(
                        INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K)
     acc_p = _head_part(x_ptr, w_ptr, offs_m64, mask_m, row0 + col_p, mask_p, K, stride_xm, stride_wn, stride_wk,
                        INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_P, BLOCK_K)
+    _parts_epilogue(acc_a, acc_b, acc_p, head, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64, mask_m, b, n,
+                    HEAD_DIM, ROT, stride_ob, stride_oh, stride_on, stride_cb, stride_cn, eps, HAS_BIAS, HAS_ROPE,
+                    INTERLEAVED, HAS_NORM, BLOCK_R, BLOCK_P)
+
+
+@triton.jit
+def _part_columns(HEAD_DIM, ROT, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """A head's columns as three parts: the rotary pairs' first and second members (rotate-half: [0, r/2) and
+    [r/2, r); GPT-J: the even and odd columns of the first r), each [BLOCK_R] masked past r/2, and the
+    pass-through rest [r, d) as [BLOCK_P] masked past d. Returns (col_a, col_b, mask_r, col_p, mask_p)."""
+    half = ROT // 2
+    i = tl.arange(0, BLOCK_R)
+    if INTERLEAVED:
+        col_a = 2 * i
+        col_b = 2 * i + 1
+    else:
+        col_a = i
+        col_b = i + half
+    col_p = ROT + tl.arange(0, BLOCK_P)
+    return col_a, col_b, i < half, col_p, col_p < HEAD_DIM
+
+
+@triton.jit
+def _parts_epilogue(acc_a, acc_b, acc_p, head, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64, mask_m, b, n,
+                    HEAD_DIM, ROT, stride_ob, stride_oh, stride_on, stride_cb, stride_cn, eps,
+                    HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Bias, QK-norm, RoPE and the head-layout store of one head made as three parts (``_part_columns``),
+    fp32 [BLOCK_M, BLOCK_R] x 2 and [BLOCK_M, BLOCK_P]. Columns past a part's end are zeroed first (a TMA
+    tile holds the next columns' products there), so the QK-norm sums see the head's d columns only."""
+    col_a, col_b, mask_r, col_p, mask_p = _part_columns(HEAD_DIM, ROT, INTERLEAVED, BLOCK_R, BLOCK_P)
+    acc_a = tl.where(mask_r[None, :], acc_a, 0.0)
+    acc_b = tl.where(mask_r[None, :], acc_b, 0.0)
+    acc_p = tl.where(mask_p[None, :], acc_p, 0.0)
+    row0 = head * HEAD_DIM
     if HAS_BIAS:
         acc_a += tl.load(b_ptr + row0 + col_a, mask=mask_r, other=0.0).to(tl.float32)[None, :]
         acc_b += tl.load(b_ptr + row0 + col_b, mask=mask_r, other=0.0).to(tl.float32)[None, :]
@@ -253,3 +279,66 @@ def qkv_projection_tma_kernel(
             _head_epilogue(acc, head, HEADS, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64, mask_m, b, n,
                            HEAD_DIM, stride_ob, stride_oh, stride_on, stride_cb, stride_cn, eps, HAS_BIAS, HAS_ROPE,
                            INTERLEAVED, HAS_NORM, BLOCK_M, HEAD_DIM)
+
+
+@triton.jit
+def qkv_projection_tma_parts_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr,
+    M, N_SEQ, K, HEADS,
+    stride_xm, stride_w,   # x's row stride; W's row stride ([rows, K], or [K, rows] with W_KN)
+    stride_ob, stride_oh, stride_on,
+    stride_cb, stride_cn,
+    eps,
+    HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_PASS: tl.constexpr, HAS_NORM: tl.constexpr,
+    W_KN: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Hopper: ``qkv_projection_kernel``'s three parts (rotate-half only) as a persistent TMA GEMM, one head per
+    output tile, for the head dims and rotary widths the whole-head kernel cannot split in registers (d 80,
+    96, 160, 192; partial rotary). Each K step loads x's tile once and W's rows of each part as a TMA tile
+    starting at the part's first row (the rotary halves at +0 and +r/2, the rest at +r, HAS_PASS when r < d):
+    a tile's rows past the part are the next part's (zeroed in the epilogue), and past the weight zeros."""
+    rows = HEADS * HEAD_DIM
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if W_KN:
+        wr_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, rows], strides=[stride_w, 1],
+                                            block_shape=[BLOCK_K, BLOCK_R])
+        wp_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, rows], strides=[stride_w, 1],
+                                            block_shape=[BLOCK_K, BLOCK_P])
+    else:
+        wr_desc = tl.make_tensor_descriptor(w_ptr, shape=[rows, K], strides=[stride_w, 1],
+                                            block_shape=[BLOCK_R, BLOCK_K])
+        wp_desc = tl.make_tensor_descriptor(w_ptr, shape=[rows, K], strides=[stride_w, 1],
+                                            block_shape=[BLOCK_P, BLOCK_K])
+    half = ROT // 2
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_tiles = num_pid_m * HEADS
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        pid_m, head = grouped_tile(tile_id, num_pid_m, HEADS, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        row0 = head * HEAD_DIM
+        acc_a = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc_p = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k0 = ki * BLOCK_K
+            x_tile = x_desc.load([off_m, k0])
+            if W_KN:
+                if HAS_ROPE:
+                    acc_a = tl.dot(x_tile, wr_desc.load([k0, row0]), acc_a)
+                    acc_b = tl.dot(x_tile, wr_desc.load([k0, row0 + half]), acc_b)
+                if HAS_PASS:
+                    acc_p = tl.dot(x_tile, wp_desc.load([k0, row0 + ROT]), acc_p)
+            else:
+                if HAS_ROPE:
+                    acc_a = tl.dot(x_tile, wr_desc.load([row0, k0]).T, acc_a)
+                    acc_b = tl.dot(x_tile, wr_desc.load([row0 + half, k0]).T, acc_b)
+                if HAS_PASS:
+                    acc_p = tl.dot(x_tile, wp_desc.load([row0 + ROT, k0]).T, acc_p)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_m64 = offs_m.to(tl.int64)
+        _parts_epilogue(acc_a, acc_b, acc_p, head, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr, offs_m64,
+                        offs_m < M, offs_m64 // N_SEQ, offs_m64 % N_SEQ, HEAD_DIM, ROT, stride_ob, stride_oh,
+                        stride_on, stride_cb, stride_cn, eps, HAS_BIAS, HAS_ROPE, False, HAS_NORM, BLOCK_R, BLOCK_P)
