@@ -123,6 +123,6 @@ def test_cli_without_a_gpu_defaults_to_the_tiny_sizes(tmp_path, monkeypatch, cap
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("no GPU: ") and "d=16, tokens=32, steps=3" in first, first
     assert calls == [{"d": None, "steps": None, "tokens": None, "variants": ["eager"], "out_dir": str(tmp_path),
-                      "seed": 0, "progress": False}]
+                      "seed": 0, "progress": False, "compile_mode": None}]
     assert mlp_train.resolve_args(None, None, None, None, on_gpu=False)[:3] == (16, 3, 32)
     assert mlp_train.resolve_args(None, None, None, None, on_gpu=True)[:3] == (1024, 2000, 8192)

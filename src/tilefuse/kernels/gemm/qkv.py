@@ -219,6 +219,20 @@ def _head_epilogue(acc, head, HEADS, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_pt
 
 
 @triton.jit
+def _weight_descriptor(w_ptr, rows, K, stride_w, W_KN: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """W's TMA descriptor for tiles of BLOCK_ROWS weight rows by BLOCK_K: W [rows, K] as nn.Linear keeps it, or
+    with W_KN its transpose [K, rows] as GPT-2's Conv1D does (tiles then [BLOCK_K, BLOCK_ROWS])."""
+    if W_KN:
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[K, rows], strides=[stride_w, 1],
+                                         block_shape=[BLOCK_K, BLOCK_ROWS])
+    else:
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[rows, K], strides=[stride_w, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_K])
+    return desc
+
+
+@triton.jit
 def qkv_projection_tma_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, cos_ptr, sin_ptr, norm_w_ptr,
     M, N_SEQ, K, HEADS,
@@ -238,14 +252,8 @@ def qkv_projection_tma_kernel(
     edges, so a last head beyond HEADS reads zeros and its store is skipped); the stores are pointer stores,
     since a tile's rows may cross a sequence boundary."""
     BLOCK_N: tl.constexpr = HEADS_PER_TILE * HEAD_DIM
-    rows = HEADS * HEAD_DIM
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-    if W_KN:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, rows], strides=[stride_w, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
-    else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[rows, K], strides=[stride_w, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
+    w_desc = _weight_descriptor(w_ptr, HEADS * HEAD_DIM, K, stride_w, W_KN, BLOCK_N, BLOCK_K)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(HEADS, HEADS_PER_TILE)
     num_tiles = num_pid_m * num_pid_n
@@ -299,18 +307,9 @@ def qkv_projection_tma_parts_kernel(
     96, 160, 192; partial rotary). Each K step loads x's tile once and W's rows of each part as a TMA tile
     starting at the part's first row (the rotary halves at +0 and +r/2, the rest at +r, HAS_PASS when r < d):
     a tile's rows past the part are the next part's (zeroed in the epilogue), and past the weight zeros."""
-    rows = HEADS * HEAD_DIM
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-    if W_KN:
-        wr_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, rows], strides=[stride_w, 1],
-                                            block_shape=[BLOCK_K, BLOCK_R])
-        wp_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, rows], strides=[stride_w, 1],
-                                            block_shape=[BLOCK_K, BLOCK_P])
-    else:
-        wr_desc = tl.make_tensor_descriptor(w_ptr, shape=[rows, K], strides=[stride_w, 1],
-                                            block_shape=[BLOCK_R, BLOCK_K])
-        wp_desc = tl.make_tensor_descriptor(w_ptr, shape=[rows, K], strides=[stride_w, 1],
-                                            block_shape=[BLOCK_P, BLOCK_K])
+    wr_desc = _weight_descriptor(w_ptr, HEADS * HEAD_DIM, K, stride_w, W_KN, BLOCK_R, BLOCK_K)
+    wp_desc = _weight_descriptor(w_ptr, HEADS * HEAD_DIM, K, stride_w, W_KN, BLOCK_P, BLOCK_K)
     half = ROT // 2
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_tiles = num_pid_m * HEADS
