@@ -31,6 +31,8 @@ SMALL_SHAPES = {
     "attention": [(1, 4, 4, 128, 128)],
     "sdpa": [(1, 2, 2, 128, 128, 64)],
     "linear_train": [(512, 1024, 1024)],  # forward + backward through autograd
+    # GPT-2-medium's attention input (plain), Llama's (RoPE over d, GQA): a case's other params as a dict
+    "qkv_projection": [(1, 128, 1024, 16, 16, 64), dict(shape=(1, 128, 1024, 8, 2, 128), rotary=128)],
 }
 
 
@@ -51,15 +53,17 @@ def python_calls(fn) -> int:
     return count - 1  # fn itself
 
 
-def measure(op: str, shape) -> dict:
+def measure(op: str, case) -> dict:
     spec = registry.get(op)
-    params = dict(spec.bench_cases[0], shape=shape)
+    params = dict(spec.bench_cases[0], **(case if isinstance(case, dict) else dict(shape=case)))
+    shape = params["shape"]
     inputs = spec.make_inputs(params, torch.device("cpu"), 0)
     with stubbed_launches() as launches:
         fn = lambda: spec.fused(**inputs)  # noqa: E731
         fn()
         kernels = [launch.kernel for launch in launches]
-        return {"op": op, "shape": list(shape), "kernels": kernels, "host_us": round(host_us(fn, calls=100, rounds=30, warmup=20), 1),
+        return {"op": op, "shape": list(shape), **({"rotary": params["rotary"]} if params.get("rotary") else {}),
+                "kernels": kernels, "host_us": round(host_us(fn, calls=100, rounds=30, warmup=20), 1),
                 "python_calls": python_calls(fn)}
 
 
