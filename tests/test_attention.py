@@ -277,7 +277,7 @@ def test_register_capped_tiles_match_reference(d, causal, monkeypatch):
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("pingpong,device_desc", [(True, True), (False, True), (True, False), (False, False)])
 @pytest.mark.parametrize("dtype", [FP16, BF16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])  # 96: a 128-wide tile, zero-filled past d
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,causal,window", [
     (2, 4, 4, 1000, 1000, False, None),      # ragged last tiles (1000 = 7 * 128 + 104)
     (1, 8, 2, 257, 1000, True, None),        # GQA 4, bottom-right causal, Nq < Nk
@@ -308,8 +308,8 @@ def test_warp_specialized_kernel_matches_reference(pingpong, device_desc, dtype,
 @pytest.mark.gpu_only
 def test_warp_specialized_kernel_strided_and_refusals():
     """kernel="ws" through launch_attention; "auto" picks it for the BSHD layout (heads interleaved in
-    memory: the 4-D descriptors take the strides); d = 80 takes the portable kernel under "auto" and
-    raises under "ws"."""
+    memory: the 4-D descriptors take the strides) and for d = 80, 160 and 192 (tiles wider than d); d = 72
+    takes the portable kernel under "auto" and raises under "ws"."""
     from tilefuse.kernels.attention.launch import _launch as launch_attention
 
     q, k, v = _qkv(1, 8, 2, 333, 555, 64, "cuda", FP16)
@@ -326,13 +326,19 @@ def test_warp_specialized_kernel_strided_and_refusals():
         out = attention(q, k, v, causal=True)
     assert [r.kernel for r in recs] == ["ws"], recs
     assert_close(out, ref.attention(*_f64(q, k, v), causal=True), REL_L2_BOUND[BF16], "ws BSHD")
-    q80, k80, v80 = _qkv(1, 2, 2, 200, 200, 80, "cuda", BF16)
+    for d_wide in (80, 160, 192):
+        qw, kw, vw = _qkv(1, 4, 2, 333, 555, d_wide, "cuda", BF16)
+        with launches.recording() as recs:
+            out = attention(qw, kw, vw, causal=True)
+        assert [r.kernel for r in recs] == ["ws"], (d_wide, recs)
+        assert_close(out, ref.attention(*_f64(qw, kw, vw), causal=True), REL_L2_BOUND[BF16], f"ws d={d_wide}")
+    q72, k72, v72 = _qkv(1, 2, 2, 200, 200, 72, "cuda", BF16)
     with launches.recording() as recs:
-        attention(q80, k80, v80)
+        attention(q72, k72, v72)
     assert [r.kernel for r in recs] == ["portable"], recs
-    out80 = torch.empty_like(q80)
+    out72 = torch.empty_like(q72)
     with pytest.raises(ValueError, match="warp-specialized"):
-        launch_attention(q80, k80, v80, out80, None, None, scale=1.0, pos_offset=0, window_left=-1,
+        launch_attention(q72, k72, v72, out72, None, None, scale=1.0, pos_offset=0, window_left=-1,
                          window_right=-1, input_precision="tf32", interpret=False, kernel="ws")
 
 

@@ -232,12 +232,14 @@ def test_weight_fold_compiles_for_sm90(gamma, beta):
     assert facts["regs"] is not None and facts["spill_store_bytes"] == 0, facts
 
 
-@pytest.mark.parametrize("head_dim,has_left,has_right,device_desc", [(64, False, False, True), (128, False, True, True),
-                                                                     (128, True, True, False)])
+@pytest.mark.parametrize("head_dim,has_left,has_right,device_desc", [
+    (64, False, False, True), (128, False, True, True), (128, True, True, False),
+    (96, False, False, True), (80, True, True, False), (192, False, True, True), (256, False, False, False)])
 def test_warp_specialized_attention_compiles_to_partitions(head_dim, has_left, has_right, device_desc):
     """The Gluon attention kernel is warp-specialized on sm_90a (Triton 3.6's tl code is not): the TTGIR
     holds the partitions, the producer's warpgroup gives its registers away (setmaxnreg 24) and the
-    consumers take 240, 12 warps run, wgmma takes P from registers, and nothing spills."""
+    consumers take 240, 12 warps run, wgmma takes P from registers, and nothing spills; also at the head dims
+    that run in wider tiles (80 and 96 in 128, 160 and 192 in 256) and at 256 (64-key tiles)."""
     facts = compile_gluon_sm90("tools.compiler", "attention_ws_compile_job",
                                dict(head_dim=head_dim, has_left=has_left, has_right=has_right,
                                     config=dict(DEVICE_DESC=device_desc)))

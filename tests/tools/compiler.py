@@ -161,7 +161,7 @@ def attention_ws_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_l
 
     fn = ws.attention_fwd_ws_kernel
     cfg = {**ws_config_for(head_dim), "DEVICE_DESC": True, **(config or {})}
-    constexprs = dict(HEAD_D=head_dim, HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse,
+    constexprs = dict(HEAD_D=ws.tile_head_dim(head_dim), HAS_LEFT=has_left, HAS_RIGHT=has_right, STORE_LSE=store_lse,
                       FLAT_GRID=flat_grid, **cfg)
     signature = {name: "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names if name not in constexprs}
     t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))

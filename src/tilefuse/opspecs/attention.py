@@ -160,6 +160,8 @@ def _bench_cases():
         dict(shape=(1, 16, 16, 32768, 32768), d=128, dtype=BF16, mode=(True, (1023, 0))),  # sliding 1024
         dict(shape=(4, 16, 16, 4096, 4096), d=128, dtype=FP16, mode=(True, None)),
     ]
+    # the head dims that run in wider tiles (80, 96) and the widest (256), at the attention-backward issue's shape
+    cases += [dict(shape=(4, 16, 16, 4096, 4096), d=d, dtype=BF16, mode=(True, None)) for d in (80, 96, 256)]
     return cases
 
 

@@ -134,7 +134,8 @@ ATTENTION_BACKWARD = OpSpec(
         "logits": [1],
     },
     bench_cases=[c for c in attention_spec.ATTENTION.bench_cases if c["shape"][3] <= 16384 and c["dtype"] == BF16
-                 and c["mode"][1] is None][:12],
+                 and c["mode"][1] is None][:12]
+    + [c for c in attention_spec.ATTENTION.bench_cases if c["d"] in (80, 96, 256)],
     accuracy_cases={
         "cpu": [dict(shape=(1, 2, 1, 70, 70), d=64, dtype=dt, mode=(True, None)) for dt in (FP32, BF16)],
         "gpu": [dict(shape=(2, 16, 4, 2048, 2048), d=128, dtype=dt, mode=(True, None)) for dt in (FP32, BF16)],

@@ -121,11 +121,15 @@ def heuristic_config(block_d: int, elem_bytes: int, input_precision: str = "tf32
 
 
 def ws_config_for(head_dim: int) -> dict:
-    """The warp-specialized kernel's config: 128-key tiles; d = 64 keeps 3 K/V stages in 115 KB, d = 128
-    two in 164 KB. PINGPONG: the consumers' FA3 schedule (ws._consume_pingpong) at d = 128, where it is
-    5-8% faster on the H200 bench rows, and the plain order at d = 64, where it is 1-7% slower.
-    DEVICE_DESC (descriptors made in the kernel) is chosen per launch by ``_launch_ws``."""
-    return dict(BLOCK_N=128, STAGES=3 if head_dim <= 64 else 2, PINGPONG=head_dim > 64)
+    """The warp-specialized kernel's config by its tile width (ws.tile_head_dim): 128-key tiles; 64 keeps 3
+    K/V stages in 115 KB, 128 two in 164 KB; 256 takes 64-key tiles, two stages in 197 KB (sm_90a, no spill).
+    PINGPONG: the consumers' FA3 schedule (ws._consume_pingpong) from 128 up, where it is 5-8% faster on the
+    H200's d 128 bench rows, and the plain order at 64, where it is 1-7% slower. DEVICE_DESC (descriptors made
+    in the kernel) is chosen per launch by ``_launch_ws``."""
+    tile = ws.tile_head_dim(head_dim)
+    if tile == 256:
+        return dict(BLOCK_N=64, STAGES=2, PINGPONG=True)
+    return dict(BLOCK_N=128, STAGES=3 if tile <= 64 else 2, PINGPONG=tile > 64)
 
 
 # Descriptors made on the device save ~60 us of host time per call (four host descriptors and their
@@ -144,7 +148,8 @@ def ws_usable(q, k, v, out, mask) -> bool:
 
 
 def _descriptor(t: torch.Tensor, rows: int):
-    return host_descriptor(t, (1, 1, int(rows), t.shape[-1]))
+    """``t`` [B, H, N, d] in tiles of ``rows`` x the kernel's tile width for d (zero-filled past d)."""
+    return host_descriptor(t, (1, 1, int(rows), ws.tile_head_dim(t.shape[-1])))
 
 
 def _launch_ws(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_right, config=None) -> dict:
@@ -163,10 +168,10 @@ def _launch_ws(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_r
         srcs = (_descriptor(q, ws.HALF_M), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
                 _descriptor(out, ws.HALF_M))
     fastpath.launch(ws.attention_fwd_ws_kernel, grid, (
-        *srcs, lse if lse is not None else out, B, Hq, k.shape[1], Nq, k.shape[2],
+        *srcs, lse if lse is not None else out, B, Hq, k.shape[1], Nq, k.shape[2], d,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         qk_scale, pos_offset, max(window_left, 0), max(window_right, 0)),
-        dict(HEAD_D=d, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, STORE_LSE=lse is not None,
+        dict(HEAD_D=ws.tile_head_dim(d), HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, STORE_LSE=lse is not None,
              FLAT_GRID=flat, num_warps=4, maxnreg=ws.LAUNCH_MAXNREG, **cfg))
     return dict(BLOCK_M=ws.BLOCK_M.value, **cfg, WARP_SPECIALIZE=True)
 

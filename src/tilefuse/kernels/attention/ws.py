@@ -9,7 +9,10 @@ into rings of shared buffers (mbarrier-synchronised), while two 4-warp consumer 
 issuing their GEMMs, and each runs a tile's softmax while its previous PV is still on the tensor cores.
 At d = 64 they run the plain order and the warp scheduler interleaves them. Registers move with
 setmaxnreg: 24 for the producer's warpgroup, 240 for each consumer.
-Limits: sm_90, fp16/bf16, head dim 64 or 128, no attn_mask tensor, TMA-able strides; the launch layer
+Head dims 64, 128 and 256 run as they are; 80 and 96 in 128-wide tiles, 160 and 192 in 256-wide ones
+(``tile_head_dim``): the TMA loads of Q, K and V fill the columns past d with zeros, which add nothing to QK^T,
+and give PV zero columns there, which the TMA store of O clips.
+Limits: sm_90, fp16/bf16, the head dims above, no attn_mask tensor, TMA-able strides; the launch layer
 (launch.py) uses the portable kernel elsewhere and the report's config column says which ran ("ws" for this one).
 """
 from __future__ import annotations
@@ -28,7 +31,12 @@ PRODUCER_REGS = gl.constexpr(24)
 # 12 warps (3 warpgroups) share the SM's 64K registers: 168 per thread at launch, then the
 # producer's warpgroup gives its surplus to the two consumers (2 * 240 + 24 = 3 * 168).
 LAUNCH_MAXNREG = 168
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 160, 192, 256)
+
+
+def tile_head_dim(d: int) -> int:
+    """The width of the kernel's Q/K/V/O tiles for head dim ``d``: the power of two at or above it."""
+    return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
 @gluon.jit
@@ -261,7 +269,7 @@ def _producer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
 
 # Sizes and positions are never specialised to the constant 1 (one compiled kernel per flag set).
 @gluon.jit(do_not_specialize=["B", "H_Q", "H_KV", "N_Q", "N_K", "pos_offset", "window_left", "window_right"])
-def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N_Q, N_K,
+def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N_Q, N_K, D,
                             stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                             stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                             qk_scale, pos_offset, window_left, window_right, HEAD_D: gl.constexpr,
@@ -270,18 +278,18 @@ def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N
                             DEVICE_DESC: gl.constexpr, FLAT_GRID: gl.constexpr):
     # *_src: TMA descriptors made on the host, or (DEVICE_DESC) plain pointers whose descriptors are made
     # here from the sizes and strides: a host descriptor costs Python and a driver call to encode on
-    # every launch, four per call.
+    # every launch, four per call. D: the tensors' head dim (HEAD_D, the tiles' width, is at least D).
     if DEVICE_DESC:
         elem: gl.constexpr = q_src.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, HALF_M, HEAD_D], elem)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_D], elem)
-        q_desc = tma.make_tensor_descriptor(q_src, [B, H_Q, N_Q, HEAD_D], [stride_qb, stride_qh, stride_qm, 1],
+        q_desc = tma.make_tensor_descriptor(q_src, [B, H_Q, N_Q, D], [stride_qb, stride_qh, stride_qm, 1],
                                             [1, 1, HALF_M, HEAD_D], q_layout)
-        o_desc = tma.make_tensor_descriptor(o_src, [B, H_Q, N_Q, HEAD_D], [stride_ob, stride_oh, stride_om, 1],
+        o_desc = tma.make_tensor_descriptor(o_src, [B, H_Q, N_Q, D], [stride_ob, stride_oh, stride_om, 1],
                                             [1, 1, HALF_M, HEAD_D], q_layout)
-        k_desc = tma.make_tensor_descriptor(k_src, [B, H_KV, N_K, HEAD_D], [stride_kb, stride_kh, stride_kn, 1],
+        k_desc = tma.make_tensor_descriptor(k_src, [B, H_KV, N_K, D], [stride_kb, stride_kh, stride_kn, 1],
                                             [1, 1, BLOCK_N, HEAD_D], kv_layout)
-        v_desc = tma.make_tensor_descriptor(v_src, [B, H_KV, N_K, HEAD_D], [stride_vb, stride_vh, stride_vn, 1],
+        v_desc = tma.make_tensor_descriptor(v_src, [B, H_KV, N_K, D], [stride_vb, stride_vh, stride_vn, 1],
                                             [1, 1, BLOCK_N, HEAD_D], kv_layout)
     else:
         q_desc = q_src
