@@ -304,3 +304,48 @@ def test_every_portable_config_trains_a_conv1d_layout_weight(device, monkeypatch
     assert wl.grad.stride() == w_kn.stride()
     for got, ref, name in zip((xl, wl, bl), ref_leaves, ("dx", "dW", "db")):
         assert_close(got.grad, ref.grad, BOUND, f"{config} {activation} {name}")
+
+
+@pytest.mark.parametrize("activation,bias,conv1d", [("gelu", True, False), (None, True, True), ("silu", False, False),
+                                                    ("swiglu", True, False), ("geglu", False, True)])
+def test_hopper_tma_backward_gemms_match_float64(tma_launch_device, activation, bias, conv1d):
+    """The Hopper backward GEMMs (dx = g W and dW^T = x^T g from TMA tiles) as the launch picks them for 16-bit
+    operands (on a CPU in the interpreter, an sm_90 of 3 SMs): tails in M, N and K, bias or none, plain and
+    gated activations, and a weight given as GPT-2 Conv1D's transposed view (its gradient in that layout);
+    x, W and b gradients against float64, and the kernels the launch recorded."""
+    from tilefuse.kernels import launches
+
+    dev, dtype = tma_launch_device, torch.float16
+    m, k, n = (257, 1000, 520) if dev.type == "cuda" else (136, 72, 200)  # 16-byte rows, tails on every tile
+    gated = activation in ("swiglu", "geglu")
+    x = _r(2, m // 2, k, device=dev, dtype=dtype)
+    stored = [_r(n, k, seed=1 + i, scale=k ** -0.5, device=dev, dtype=dtype) for i in range(2 if gated else 1)]
+    if conv1d:  # [K, N] storage, passed transposed: a unit row stride
+        stored = [w.t().contiguous() for w in stored]
+    bs = [_r(n, seed=5 + i, device=dev, dtype=dtype) for i in range(2 if gated else 1)] if bias else []
+    leaves = _leaves(x, *stored, *bs)
+    lx, lws, lbs = leaves[0], leaves[1:1 + len(stored)], leaves[1 + len(stored):]
+    ws = [w.t() for w in lws] if conv1d else lws
+
+    def fn(x_, ws_, bs_):
+        weight = tuple(ws_) if gated else ws_[0]
+        b_ = (tuple(bs_) if gated else bs_[0]) if bs_ else None
+        return tilefuse.linear(x_, weight, b_, activation)
+
+    dy = _r(2, m // 2, n, seed=9, device=dev, dtype=dtype)
+    with launches.recording() as records:
+        fn(lx, ws, lbs).backward(dy)
+    kinds = [r.kernel for r in records if r.op == "linear_backward"]
+    assert sum("grad input (TMA" in kind for kind in kinds) == 1, kinds
+    assert sum("grad weight (TMA" in kind for kind in kinds) == len(stored), kinds
+    ref = [t.detach().double().requires_grad_() for t in (x, *stored, *bs)]
+    rws = [w.t() for w in ref[1:1 + len(stored)]] if conv1d else ref[1:1 + len(stored)]
+    rbs = ref[1 + len(stored):]
+    if gated:
+        want = reference.gated_linear(ref[0], rws[0], rws[1], *(rbs if bias else (None, None)), activation)
+    else:
+        want = reference.linear(ref[0], rws[0], rbs[0] if bias else None, activation)
+    want.backward(dy.double())
+    for i, (got, exp) in enumerate(zip(leaves, ref)):
+        assert got.grad.shape == exp.grad.shape and got.grad.stride() == got.stride(), i
+        assert_close(got.grad, exp.grad, REL_L2_BOUND[dtype], f"grad {i}")

@@ -10,7 +10,8 @@ config, grid and K split, for tilefuse.linear (plain and gated) and tilefuse.lay
   pre-pass (the norms family's kernel) and normalization in the GEMM's prologue (norm_prologue.py).
 - Training: every forward entry takes ``save_slope`` and then also returns the activation's slope(s)
   ``act'(pre)`` its kernel stored (backward.py says why the slope, not the pre-activation); the backward
-  entry runs the two backward GEMMs (backward.py), which make ``g = dy * slope`` in their operand loads.
+  entry runs the two backward GEMMs (backward.py), which make ``g = dy * slope`` in their operand loads:
+  persistent TMA kernels on Hopper (16-bit, TMA-able operands), the tuned pointer kernels elsewhere.
 
 Each entry allocates its output, records what ran (kernels/launches.py) and goes through the family's
 fast path (kernels/fastpath.py). Inputs arrive checked and non-empty (tilefuse.ops).
@@ -24,7 +25,8 @@ import torch
 from tilefuse import runtime, sizes, tuning
 from tilefuse.kernels import fastpath, launches
 from tilefuse.kernels.gemm import configs
-from tilefuse.kernels.gemm.backward import grad_input_kernel, grad_weight_kernel
+from tilefuse.kernels.gemm.backward import (grad_input_kernel, grad_input_tma_kernel, grad_weight_kernel,
+                                            grad_weight_tma_kernel)
 from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
 from tilefuse.kernels.gemm.tma import linear_tma_kernel
@@ -408,6 +410,35 @@ def linear_backward(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, 
         lambda: _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path))
 
 
+# Hopper's backward GEMMs (backward.py: grad_input_tma_kernel, grad_weight_tma_kernel): one tile each, not yet
+# tuned. False leaves every backward to the pointer kernels.
+BACKWARD_TMA = True
+BACKWARD_TMA_TILES = {
+    "grad_input": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "grad_weight": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+}
+
+
+def _dense_2d(t: torch.Tensor):
+    """``t`` [rows, cols] as TMA reads it: itself with a unit column stride, its transpose (a view) with a unit
+    row stride, or None."""
+    if t.stride(1) == 1:
+        return t
+    if t.stride(0) == 1:
+        return t.t()
+    return None
+
+
+def _backward_tma(x: torch.Tensor, rows: tuple, either_way: tuple = ()) -> bool:
+    """Whether the backward GEMMs take the Hopper TMA kernels: 16-bit operands on an sm_90 GPU, the ``rows``
+    operands (dy, the slopes, x, dx) TMA-able with a unit column stride, the ``either_way`` ones (a weight, a
+    dW) with a unit stride on either dim."""
+    if not BACKWARD_TMA or x.dtype == torch.float32 or not tma_device(x) or runtime.device_facts(x.device)[0] != 9:
+        return False
+    views = [_dense_2d(t) for t in either_way]
+    return all(v is not None for v in views) and tma_supported(*rows, *views)
+
+
 def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path):
     N, K = w.shape
     M = math.prod(x.shape[:-1])
@@ -426,13 +457,25 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dx2d = dx.view(M, K)
         wu = w_up if gated else w
-        args = (dy2d, s2d, su2d, w, wu, dx2d, M, N, K, sizes.m_bucket(M),
-                dy2d.stride(0), dy2d.stride(1), s2d.stride(0), s2d.stride(1),
-                w.stride(0), w.stride(1), wu.stride(0), wu.stride(1), dx2d.stride(0), dx2d.stride(1))
-        cfg = _launch_backward(grad_input_kernel, grad_input_tuned, args, dict(flags, GATED=gated), interpret,
-                               lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),))
-        launches.record("linear_backward", path, "grad input, g = dy * slope in its loads",
-                        lambda: tuning.describe(cfg))
+        if _backward_tma(x, (dy2d, s2d, su2d, dx2d), (w, wu)) and (w.stride(1) == 1) == (wu.stride(1) == 1):
+            w_kn = w.stride(1) != 1  # W as GPT-2 Conv1D's transposed view: W^T [K, N], unit row stride
+            cfg = BACKWARD_TMA_TILES["grad_input"]
+            num_sms = runtime.device_facts(x.device)[1]
+            ensure_descriptor_allocator()
+            fastpath.launch(grad_input_tma_kernel, (min(num_sms, cdiv(M, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_N"])),), (
+                dy2d, s2d, su2d, w, wu, dx2d, M, N, K, dy2d.stride(0), s2d.stride(0), su2d.stride(0),
+                w.stride(1) if w_kn else w.stride(0), wu.stride(1) if w_kn else wu.stride(0), dx2d.stride(0)),
+                dict(HAS_SLOPE=slope is not None, GATED=gated, W_KN=w_kn, NUM_SMS=num_sms, **cfg))
+            launches.record("linear_backward", path, "grad input (TMA), g = dy * slope in its loads",
+                            lambda: tuning.describe(cfg))
+        else:
+            args = (dy2d, s2d, su2d, w, wu, dx2d, M, N, K, sizes.m_bucket(M),
+                    dy2d.stride(0), dy2d.stride(1), s2d.stride(0), s2d.stride(1),
+                    w.stride(0), w.stride(1), wu.stride(0), wu.stride(1), dx2d.stride(0), dx2d.stride(1))
+            cfg = _launch_backward(grad_input_kernel, grad_input_tuned, args, dict(flags, GATED=gated), interpret,
+                                   lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),))
+            launches.record("linear_backward", path, "grad input, g = dy * slope in its loads",
+                            lambda: tuning.describe(cfg))
     dws, dbs = [none(), none()], [none(), none()]
     # Without an activation g is dy itself, already in HBM: db is its column sum, one read of dy (eager's
     # own db). The dW kernel sums db only from a g it makes (dy * slope): a loaded dy tile feeding both the
@@ -443,12 +486,28 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
     if need_dw or fused_db:
         x_rows, m_inner, s_outer, s_inner, s_k = row_addressing(x)
         two_strides = s_outer != 0 and m_inner != M
+        x2d = None if two_strides or s_k != 1 else x_rows.as_strided((M, K), (s_inner, 1))
         branches = ((w, s2d), (w_up, su2d)) if gated else ((w, s2d),)
         for i, (wb, sb) in enumerate(branches):
             dw = dws[i] = torch.empty_like(wb)  # the weight's own layout when it is dense
             db = dw
             if fused_db:
                 db = dbs[i] = torch.empty(N, dtype=x.dtype, device=x.device)
+            if x2d is not None and _backward_tma(x, (dy2d, sb, x2d), (dw,)):
+                dw_kn = dw.stride(1) != 1  # dW in its weight's Conv1D layout: dW^T [K, N], unit row stride
+                cfg = BACKWARD_TMA_TILES["grad_weight"]
+                num_sms = runtime.device_facts(x.device)[1]
+                ensure_descriptor_allocator()
+                fastpath.launch(grad_weight_tma_kernel,
+                                (min(num_sms, cdiv(K, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])),), (
+                                    dy2d, sb, x2d, dw, db, M, N, K, dy2d.stride(0), sb.stride(0), x2d.stride(0),
+                                    dw.stride(1) if dw_kn else dw.stride(0)),
+                                dict(HAS_BIAS=fused_db, HAS_SLOPE=slope is not None, DW_KN=dw_kn, NUM_SMS=num_sms,
+                                     **cfg))
+                launches.record("linear_backward", path, "grad weight (TMA, dW^T = x^T g)"
+                                + (" + bias" if fused_db else "") + ", g = dy * slope in its loads",
+                                lambda: tuning.describe(cfg))
+                continue
             args = (dy2d, sb, x_rows, dw, db, M, N, K, sizes.m_bucket(M), m_inner, s_outer, s_inner, s_k,
                     dy2d.stride(0), dy2d.stride(1), sb.stride(0), sb.stride(1), dw.stride(0), dw.stride(1))
             cfg = _launch_backward(grad_weight_kernel, grad_weight_tuned, args,
