@@ -174,10 +174,12 @@ def test_training_step_of_a_module_in_a_cuda_graph():
 
 def _pinned_backward(monkeypatch, config):
     """Both backward GEMMs launched with ``config`` (a triton.Config of the portable space) instead of the
-    tuner's choice: GPU tests pin every kernel to its first config, and the tuner may pick any other."""
+    tuner's choice: GPU tests pin every kernel to its first config, and the tuner may pick any other. The
+    pointer kernels on Hopper too (the launch would take its TMA kernels there)."""
     from tilefuse.kernels import fastpath
     from tilefuse.kernels.gemm import launch
 
+    monkeypatch.setattr(launch, "BACKWARD_TMA", False)
     calls = []
 
     def pinned(kernel, tuned, args, flags, interpret, grid):
