@@ -414,9 +414,8 @@ def test_qkv_projection_tma_kernel_compiles_to_wgmma_without_spills(d, rope, nor
                                            (160, 160, True, False), (128, 32, True, False)])
 def test_qkv_projection_tma_parts_kernel_compiles_to_wgmma_without_spills(d, r, norm, w_kn):
     """The Hopper QKV kernel's parts form (launch.qkv_tma_parts_tile) for the head dims the whole-head form does
-    not take and for partial rotary: wgmma from shared memory, no spill, within the H200's shared memory. d and
-    r are constexprs: as runtime values the parts' column masks were per-element registers and every one of
-    these spilled (255 registers, 44 B to 8 KB)."""
+    not take and for partial rotary: wgmma from shared memory, no spill, within the H200's shared memory (d and
+    r are constexprs so the parts' column masks fold; NOTES.md has the runtime-argument form's spills)."""
     from tilefuse.kernels.gemm.launch import QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M, qkv_tma_parts_tile
     tile = qkv_tma_parts_tile(d, r, r > 0)
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")

@@ -171,8 +171,8 @@ def _launch_ws(q, k, v, out, lse, *, qk_scale, pos_offset, window_left, window_r
         *srcs, lse if lse is not None else out, B, Hq, k.shape[1], Nq, k.shape[2], d,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         qk_scale, pos_offset, max(window_left, 0), max(window_right, 0)),
-        dict(HEAD_D=ws.tile_head_dim(d), HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, STORE_LSE=lse is not None,
-             FLAT_GRID=flat, num_warps=4, maxnreg=ws.LAUNCH_MAXNREG, **cfg))
+        dict(HEAD_D=ws.tile_head_dim(d), HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
+             STORE_LSE=lse is not None, FLAT_GRID=flat, num_warps=4, maxnreg=ws.LAUNCH_MAXNREG, **cfg))
     return dict(BLOCK_M=ws.BLOCK_M.value, **cfg, WARP_SPECIALIZE=True)
 
 

@@ -130,6 +130,20 @@ def tma_supported(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
     return True
 
 
+def hopper_tma(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the Hopper TMA kernels (tiles sized for sm_90's 227 KB of shared memory) take these operands:
+    16-bit, TMA-able (``tma_supported``), on an sm_90 GPU."""
+    return x2d.dtype != torch.float32 and tma_supported(x2d, *others) and runtime.device_facts(x2d.device)[0] == 9
+
+
+def launch_persistent(kernel, tiles: int, args: tuple, kwargs: dict, device) -> None:
+    """A persistent TMA kernel over ``tiles`` output tiles: one program per SM at most (NUM_SMS the stride of
+    its tile loop), with the descriptor allocator its in-kernel descriptors need."""
+    ensure_descriptor_allocator()
+    num_sms = runtime.device_facts(device)[1]
+    fastpath.launch(kernel, (min(num_sms, tiles),), args, dict(kwargs, NUM_SMS=num_sms))
+
+
 def row_addressing(x: torch.Tensor):
     """The rows of x[..., K] as (outer, inner) with two strides, without copying when possible.
 
@@ -429,14 +443,11 @@ def _dense_2d(t: torch.Tensor):
     return None
 
 
-def _backward_tma(x: torch.Tensor, rows: tuple, either_way: tuple = ()) -> bool:
-    """Whether the backward GEMMs take the Hopper TMA kernels: 16-bit operands on an sm_90 GPU, the ``rows``
-    operands (dy, the slopes, x, dx) TMA-able with a unit column stride, the ``either_way`` ones (a weight, a
-    dW) with a unit stride on either dim."""
-    if not BACKWARD_TMA or x.dtype == torch.float32 or not tma_device(x) or runtime.device_facts(x.device)[0] != 9:
-        return False
+def _backward_tma(rows: tuple, either_way: tuple = ()) -> bool:
+    """Whether the backward GEMMs take the Hopper TMA kernels (``hopper_tma``): the ``rows`` operands (dy, the
+    slopes, x, dx) as laid out, the ``either_way`` ones (a weight, a dW) with a unit stride on either dim."""
     views = [_dense_2d(t) for t in either_way]
-    return all(v is not None for v in views) and tma_supported(*rows, *views)
+    return BACKWARD_TMA and all(v is not None for v in views) and hopper_tma(*rows, *views)
 
 
 def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path):
@@ -457,15 +468,13 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dx2d = dx.view(M, K)
         wu = w_up if gated else w
-        if _backward_tma(x, (dy2d, s2d, su2d, dx2d), (w, wu)) and (w.stride(1) == 1) == (wu.stride(1) == 1):
+        if _backward_tma((dy2d, s2d, su2d, dx2d), (w, wu)) and (w.stride(1) == 1) == (wu.stride(1) == 1):
             w_kn = w.stride(1) != 1  # W as GPT-2 Conv1D's transposed view: W^T [K, N], unit row stride
             cfg = BACKWARD_TMA_TILES["grad_input"]
-            num_sms = runtime.device_facts(x.device)[1]
-            ensure_descriptor_allocator()
-            fastpath.launch(grad_input_tma_kernel, (min(num_sms, cdiv(M, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_N"])),), (
+            launch_persistent(grad_input_tma_kernel, cdiv(M, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_N"]), (
                 dy2d, s2d, su2d, w, wu, dx2d, M, N, K, dy2d.stride(0), s2d.stride(0), su2d.stride(0),
                 w.stride(1) if w_kn else w.stride(0), wu.stride(1) if w_kn else wu.stride(0), dx2d.stride(0)),
-                dict(HAS_SLOPE=slope is not None, GATED=gated, W_KN=w_kn, NUM_SMS=num_sms, **cfg))
+                dict(HAS_SLOPE=slope is not None, GATED=gated, W_KN=w_kn, **cfg), x.device)
             launches.record("linear_backward", path, "grad input (TMA), g = dy * slope in its loads",
                             lambda: tuning.describe(cfg))
         else:
@@ -493,17 +502,13 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
             db = dw
             if fused_db:
                 db = dbs[i] = torch.empty(N, dtype=x.dtype, device=x.device)
-            if x2d is not None and _backward_tma(x, (dy2d, sb, x2d), (dw,)):
+            if x2d is not None and _backward_tma((dy2d, sb, x2d), (dw,)):
                 dw_kn = dw.stride(1) != 1  # dW in its weight's Conv1D layout: dW^T [K, N], unit row stride
                 cfg = BACKWARD_TMA_TILES["grad_weight"]
-                num_sms = runtime.device_facts(x.device)[1]
-                ensure_descriptor_allocator()
-                fastpath.launch(grad_weight_tma_kernel,
-                                (min(num_sms, cdiv(K, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])),), (
-                                    dy2d, sb, x2d, dw, db, M, N, K, dy2d.stride(0), sb.stride(0), x2d.stride(0),
-                                    dw.stride(1) if dw_kn else dw.stride(0)),
-                                dict(HAS_BIAS=fused_db, HAS_SLOPE=slope is not None, DW_KN=dw_kn, NUM_SMS=num_sms,
-                                     **cfg))
+                launch_persistent(grad_weight_tma_kernel, cdiv(K, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), (
+                    dy2d, sb, x2d, dw, db, M, N, K, dy2d.stride(0), sb.stride(0), x2d.stride(0),
+                    dw.stride(1) if dw_kn else dw.stride(0)),
+                    dict(HAS_BIAS=fused_db, HAS_SLOPE=slope is not None, DW_KN=dw_kn, **cfg), x.device)
                 launches.record("linear_backward", path, "grad weight (TMA, dW^T = x^T g)"
                                 + (" + bias" if fused_db else "") + ", g = dy * slope in its loads",
                                 lambda: tuning.describe(cfg))
@@ -695,8 +700,8 @@ def qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inter
                    make_outputs, path):
     """(q, k, v) from ``make_outputs()`` -- each [B, h, N, d], or with ``layout`` "bnhd" the [B, h, N, d] view
     of a [B, N, h, d] tensor -- written from x2d [M = B * N, K] (unit column stride) by qkv.py: one launch per
-    projection, RoPE (``rotary`` (cos, sin) [N, r] or [B, N, r], or None) and QK-norm (``qk_norm`` (q weight, k weight, eps) or None) on q and k. Each
-    weight [h * d, K] has a unit stride on one of its two dims (nn.Linear's layout, or the transposed view of
+    projection, RoPE (``rotary`` (cos, sin) [N, r] or [B, N, r], or None) and QK-norm (``qk_norm`` (q weight,
+    k weight, eps) or None) on q and k. Each weight [h * d, K] has a unit stride on one of its two dims (nn.Linear's layout, or the transposed view of
     GPT-2's Conv1D weight) and is read in place. Repeated calls replay (kernels/fastpath.py)."""
     cos, sin = rotary if rotary is not None else (None, None)
     q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
@@ -731,31 +736,25 @@ def _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inte
         tma_tile = QKV_TMA_TILES.get((head_dim, use_rope or use_norm))
         # Hopper's shared memory (the tiles are sized for its 227 KB), 16-bit operands, at least one full row
         # tile (decode-sized M keeps the pointer kernel's 64-row tiles, one program per head).
-        hopper_tma = (x2d.dtype != torch.float32 and tma_supported(x2d, w.t() if w_kn else w)
-                      and runtime.device_facts(x2d.device)[0] == 9)
-        if tma_tile is not None and (not use_rope or rot == head_dim) and hopper_tma and M >= tma_tile[0]:
+        on_hopper = hopper_tma(x2d, w.t() if w_kn else w)
+        if tma_tile is not None and (not use_rope or rot == head_dim) and on_hopper and M >= tma_tile[0]:
             block_m, per_tile, warps, stages = tma_tile
             per_tile = min(per_tile, h)
-            ensure_descriptor_allocator()
-            num_sms = runtime.device_facts(x2d.device)[1]
-            tiles = cdiv(M, block_m) * cdiv(h, per_tile)
-            fastpath.launch(qkv_projection_tma_kernel, (min(num_sms, tiles),), (
+            launch_persistent(qkv_projection_tma_kernel, cdiv(M, block_m) * cdiv(h, per_tile), (
                 x2d, w, b if b is not None else w, out, cos, sin, norm_w, M, seq_len, K, h, x2d.stride(0),
                 w.stride(1) if w_kn else w.stride(0), *out_strides),
-                dict(flags, W_KN=w_kn, NUM_SMS=num_sms, BLOCK_M=block_m, HEAD_DIM=head_dim, HEADS_PER_TILE=per_tile,
-                     BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, num_warps=warps, num_stages=stages))
+                dict(flags, W_KN=w_kn, BLOCK_M=block_m, HEAD_DIM=head_dim, HEADS_PER_TILE=per_tile,
+                     BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, num_warps=warps, num_stages=stages),
+                x2d.device)
             forms.append(f"tma {block_m}x{per_tile * head_dim}x{QKV_TMA_BLOCK_K} w{warps} s{stages}")
             continue
         parts = qkv_tma_parts_tile(head_dim, rot, use_rope)
-        if QKV_TMA_PARTS and hopper_tma and not (use_rope and interleaved) and M >= parts["BLOCK_M"]:
-            ensure_descriptor_allocator()
-            num_sms = runtime.device_facts(x2d.device)[1]
-            tiles = cdiv(M, parts["BLOCK_M"]) * h
-            fastpath.launch(qkv_projection_tma_parts_kernel, (min(num_sms, tiles),), (
+        if QKV_TMA_PARTS and on_hopper and not (use_rope and interleaved) and M >= parts["BLOCK_M"]:
+            launch_persistent(qkv_projection_tma_parts_kernel, cdiv(M, parts["BLOCK_M"]) * h, (
                 x2d, w, b if b is not None else w, out, cos, sin, norm_w, M, seq_len, K, h,
                 x2d.stride(0), w.stride(1) if w_kn else w.stride(0), *out_strides),
-                dict(HEAD_DIM=head_dim, ROT=rot, HAS_BIAS=b is not None, HAS_ROPE=use_rope, HAS_NORM=use_norm, W_KN=w_kn, NUM_SMS=num_sms,
-                     BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, **parts))
+                dict(HEAD_DIM=head_dim, ROT=rot, HAS_BIAS=b is not None, HAS_ROPE=use_rope, HAS_NORM=use_norm,
+                     W_KN=w_kn, BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, **parts), x2d.device)
             widths = ([f"{parts['BLOCK_R']}+{parts['BLOCK_R']}"] if use_rope else []) + \
                 ([str(parts["BLOCK_P"])] if parts["HAS_PASS"] else [])
             forms.append(f"tma parts {parts['BLOCK_M']}x({'+'.join(widths)})x{QKV_TMA_BLOCK_K} "
