@@ -399,15 +399,21 @@ def test_qkv_projection_tma_kernel_compiles_to_wgmma_without_spills(d, rope, nor
     consts = dict(HAS_BIAS=True, HAS_ROPE=rope, INTERLEAVED=False, HAS_NORM=norm, W_KN=w_kn, NUM_SMS=132,
                   BLOCK_M=block_m, HEAD_DIM=d, HEADS_PER_TILE=per_tile, BLOCK_K=QKV_TMA_BLOCK_K,
                   GROUP_M=QKV_TMA_GROUP_M)
+    facts = _qkv_tma_compiles_spill_free("qkv_projection_tma_kernel", consts, warps, stages)
+    assert facts["scalar_16bit_loads"] <= 32, facts
+
+
+def _qkv_tma_compiles_spill_free(kernel: str, consts: dict, warps: int, stages: int) -> dict:
+    """One Hopper QKV kernel compiled for sm_90a at aligned bench-like strides: wgmma fed from shared memory,
+    no spill, within the H200's shared memory. Returns the compiler's facts."""
     sig = {"*": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"}
     aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "norm_w_ptr", "K", "stride_xm",
                "stride_w", "stride_ob", "stride_oh", "stride_on", "stride_cb", "stride_cn")
-    facts = compile_sm90("tilefuse.kernels.gemm.qkv", "qkv_projection_tma_kernel", sig, consts, warps, stages,
-                         aligned=aligned)
+    facts = compile_sm90("tilefuse.kernels.gemm.qkv", kernel, sig, consts, warps, stages, aligned=aligned)
     assert facts["wgmma"] and not facts["wgmma_a_in_registers"], facts
     assert facts["spill_store_bytes"] == 0, facts
     assert facts["shared"] <= 227 * 1024, facts
-    assert facts["scalar_16bit_loads"] <= 32, facts
+    return facts
 
 
 @pytest.mark.parametrize("d,r,norm,w_kn", [(96, 96, True, False), (80, 32, False, True), (192, 0, False, False),
@@ -421,14 +427,7 @@ def test_qkv_projection_tma_parts_kernel_compiles_to_wgmma_without_spills(d, r, 
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
     consts = dict(HEAD_DIM=d, ROT=r, HAS_BIAS=True, HAS_ROPE=r > 0, HAS_NORM=norm, W_KN=w_kn, NUM_SMS=132,
                   BLOCK_K=QKV_TMA_BLOCK_K, GROUP_M=QKV_TMA_GROUP_M, **tile)
-    sig = {"*": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"}
-    aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "norm_w_ptr", "K", "stride_xm",
-               "stride_w", "stride_ob", "stride_oh", "stride_on", "stride_cb", "stride_cn")
-    facts = compile_sm90("tilefuse.kernels.gemm.qkv", "qkv_projection_tma_parts_kernel", sig, consts, warps, stages,
-                         aligned=aligned)
-    assert facts["wgmma"] and not facts["wgmma_a_in_registers"], facts
-    assert facts["spill_store_bytes"] == 0, facts
-    assert facts["shared"] <= 227 * 1024, facts
+    _qkv_tma_compiles_spill_free("qkv_projection_tma_parts_kernel", consts, warps, stages)
 
 
 @pytest.mark.parametrize("kernel,flags", [
