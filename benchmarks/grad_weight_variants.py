@@ -100,7 +100,9 @@ def bench():
         row = {"shape": [M, K, N], "gemm_tflop": 2 * M * N * K / 1e12}
         # The launch's Hopper TMA kernels (BACKWARD_TMA) and its pointer kernels, each as the launch runs them.
         outs = {}
-        for label, use_tma in (("pointer", False), ("shipped", True)):
+        shipped_set = launch.BACKWARD_TMA
+        for label, use_tma in (("pointer", frozenset()), ("tma", frozenset({"grad_input", "grad_weight"})),
+                               ("shipped", shipped_set)):
             launch.BACKWARD_TMA = use_tma
             fastpath.clear_all()
             row[f"{label}_dw_db_ms"] = do_bench(shipped)

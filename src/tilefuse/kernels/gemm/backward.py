@@ -15,9 +15,10 @@ Two kernels, each a tiled GEMM whose A operand is ``dy * s`` (``dy`` alone witho
 - ``grad_weight_kernel``: dW[N, K] = g^T[N, M] @ x[M, K], and db[N] = sum_m g from the same g tiles (the
   programs of the first K column band store it). Program tile BLOCK_M x BLOCK_N over (N, K), M walked in
   BLOCK_K steps. Gated: launched once per branch.
-On Hopper (16-bit, TMA-able operands) the launch takes the persistent TMA forms instead:
-``grad_input_tma_kernel`` (the same product from TMA tiles) and ``grad_weight_tma_kernel``, which computes
-dW^T = x^T @ g so that x^T is wgmma's shared-memory A operand as TMA delivered it.
+Persistent TMA forms for Hopper (16-bit, TMA-able operands), each taken where the launch's BACKWARD_TMA names it:
+``grad_weight_tma_kernel``, which computes dW^T = x^T @ g so that x^T is wgmma's shared-memory A operand as TMA
+delivered it (shipped: faster than ``grad_weight_kernel`` on the H200), and ``grad_input_tma_kernel``, the dx
+product from TMA tiles (slower there than the tuned ``grad_input_kernel``, so off by default).
 BLOCK_M/BLOCK_N/BLOCK_K name the output rows, output columns and the reduction, as in the forward's
 config space. Accumulation in fp32 (dW and db too), one cast on store.
 HBM bytes (element size s, plain form): fused = dy and the slope read by each kernel (4*M*N*s) + W, x
