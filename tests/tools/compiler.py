@@ -99,6 +99,8 @@ def _facts(kernel) -> dict:
     # wgmma's A operand: a shared-memory descriptor (memdesc) or registers (a dot_op layout tensor).
     a_in_registers = bool(re.search(r"ttng\.warp_group_dot [^\n]*: tensor<[^\n]*dot_op<\{opIdx = 0", ttgir))
     return {"regs": int(regs.group(1)) if regs else None, "spill_store_bytes": max(spills, default=0),
+            # ptxas serialises async wgmma it cannot prove safe (e.g. register operands still being written).
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in info,
             "shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "wgmma_a_in_registers": a_in_registers,
             "atomics": sorted(set(re.findall(r"\batom\.[\w.:]+", ptx))),
             # Global loads one 16-bit element at a time (a tile load the compiler could not vectorize).
@@ -173,11 +175,11 @@ def attention_ws_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_l
     return fn, signature, constexprs, dict(num_warps=4, maxnreg=ws.LAUNCH_MAXNREG)
 
 
-def _import_gemm_ws():
-    """benchmarks/gemm_ws.py (lab code outside the package), with benchmarks/ on sys.path."""
+def _import_lab(name: str):
+    """A module of benchmarks/ (lab code outside the package), with benchmarks/ on sys.path."""
     if BENCHMARKS_DIR not in sys.path:
         sys.path.insert(0, BENCHMARKS_DIR)
-    return importlib.import_module("gemm_ws")
+    return importlib.import_module(name)
 
 
 def gemm_ws_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: str = "bfloat16",
@@ -189,7 +191,7 @@ def gemm_ws_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: 
 
     from tilefuse.kernels.gluon_host import host_descriptor
 
-    gemm_ws = _import_gemm_ws()
+    gemm_ws = _import_lab("gemm_ws")
     cfg = {**gemm_ws.DEFAULT_CONFIG, **(config or {})}
     t = torch.empty(256, 256, dtype=getattr(torch, dtype))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -200,6 +202,13 @@ def gemm_ws_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: 
     constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
                       NUM_SMS=num_sms)
     return gemm_ws.linear_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=gemm_ws.LAUNCH_MAXNREG)
+
+
+def backward_gemm_ws_compile_job(trans_a: bool = False, config: str | None = None, dtype: str = "bfloat16"):
+    """(kernel, signature, constexprs, options) of benchmarks/backward_gemm_ws.py's kernel: dx (``trans_a``
+    False) or dW + db (True), at one of its CONFIGS (default: its DEFAULT)."""
+    lab = _import_lab("backward_gemm_ws")
+    return lab.compile_job(trans_a=trans_a, config=config or lab.DEFAULT, dtype=dtype)
 
 
 if __name__ == "__main__":
