@@ -276,3 +276,30 @@ def test_alibi_lse_returned_is_the_true_one(device, monkeypatch, path):
     torch.autograd.backward([out, lse], [do, dl])
     for got, exp, name in zip(leaves, _grads64(fn, (q, k, v), (do, dl)), "qkv"):
         assert_close(got.grad, exp, bound, f"d{name}")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(1, 2, 1, 300, 300), (2, 4, 2, 200, 457), (1, 2, 2, 1000, 1000)])
+def test_warp_specialized_dkdv_matches_float64(B, Hq, Hkv, Nq, Nk, causal, d):
+    """The Gluon dK/dV pass (benchmarks/attention_bwd_ws.py, lab code, not dispatched) at every config of its
+    table, on the forward's own lse and D = rowsum(dO * O): GQA, Nq != Nk (bottom-right causal, rows that see
+    no key), tails in both lengths, several key blocks, against float64 autograd."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention_bwd_ws
+
+    q = _r(B, Hq, Nq, d, device="cuda")
+    k, v = _r(B, Hkv, Nk, d, seed=1, device="cuda"), _r(B, Hkv, Nk, d, seed=2, device="cuda")
+    do = _r(B, Hq, Nq, d, seed=3, device="cuda")
+    out, lse = tilefuse.attention(q, k, v, causal=causal, return_lse=True)
+    delta = (do.float() * out.float()).sum(-1).contiguous()
+    _, want_dk, want_dv = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=causal), (q, k, v), (do,))
+    for name in attention_bwd_ws.CONFIGS:
+        dk, dv = attention_bwd_ws.dkdv(q, k, v, do, lse.contiguous(), delta, scale=d ** -0.5, causal=causal,
+                                       config=name)
+        assert_close(dk, want_dk, BOUND, f"{name} dK")
+        assert_close(dv, want_dv, BOUND, f"{name} dV")

@@ -277,6 +277,19 @@ def test_warp_specialized_backward_gemm_compiles(trans_a):
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
 
 
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])
+def test_warp_specialized_attention_dkdv_compiles(head_dim, causal):
+    """The Gluon dK/dV pass (benchmarks/attention_bwd_ws.py, lab code): partitions, setmaxnreg 24/240, P^T and
+    dS^T as wgmma's register operand, no spills at d 128 (two [64, 128] fp32 accumulators beside the score
+    tiles: the row terms enter as the score accumulators' initial values to fit), wgmmas not serialised."""
+    facts = compile_gluon_sm90("tools.compiler", "attention_bwd_ws_compile_job",
+                               dict(head_dim=head_dim, causal=causal))
+    assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
+    assert not facts["wgmma_serialized"], facts
+    assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
+    assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
+
+
 @pytest.mark.parametrize("kernel,slope,gated", [
     ("grad_input_kernel", True, False), ("grad_input_kernel", True, True), ("grad_input_kernel", False, False),
     ("grad_weight_kernel", True, False), ("grad_weight_kernel", False, False)])

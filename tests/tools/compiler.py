@@ -211,6 +211,14 @@ def backward_gemm_ws_compile_job(trans_a: bool = False, config: str | None = Non
     return lab.compile_job(trans_a=trans_a, config=config or lab.DEFAULT, dtype=dtype)
 
 
+def attention_bwd_ws_compile_job(head_dim: int = 128, causal: bool = True, config: str | None = None,
+                                 dtype: str = "bfloat16"):
+    """(kernel, signature, constexprs, options) of benchmarks/attention_bwd_ws.py's dK/dV kernel at one of its
+    CONFIGS (default: its DEFAULT)."""
+    lab = _import_lab("attention_bwd_ws")
+    return lab.compile_job(head_dim=head_dim, causal=causal, config=config or lab.DEFAULT, dtype=dtype)
+
+
 if __name__ == "__main__":
     # Run by path: sys.path[0] is tests/tools. Put tests/ (so "tools.compiler" imports as a package module)
     # and src/ (tilefuse, also without an install) first instead.
