@@ -1,5 +1,5 @@
-"""Lab: a warp-specialized Gluon form of the attention backward's dK/dV pass (the heavier of its two passes:
-four of the backward's seven GEMMs per tile), for issue 18's fast Hopper backward. Not dispatched: nothing in
+"""Lab: warp-specialized Gluon forms of the attention backward's two passes, dK/dV (four of the backward's seven
+GEMMs per tile) and dQ (the other three), for issue 18's fast Hopper backward. Not dispatched: nothing in
 src/ imports this file. tests/tools/compiler.py's attention_bwd_ws_compile_job compiles it for sm_90a.
 
 The portable dK/dV kernel (src/tilefuse/kernels/attention/backward.py) holds two [64, d] fp32 accumulators
@@ -17,7 +17,8 @@ of one KV head:
 Scope of this form: 16-bit, head dim 64 or 128, no mask, no soft-cap or ALiBi, no left window; causal and
 right windows (HAS_RIGHT), GQA, any N (rows past N_Q get P = 0 through lse = +inf; keys past N_K only reach
 dK/dV rows that are never stored).
-D = rowsum(dO * O) comes from the portable row-dot kernel and dQ from the portable dQ kernel.
+D = rowsum(dO * O) comes from the portable row-dot kernel. The dQ pass (``attention_bwd_dq_ws_kernel``) has the
+forward's structure: per CTA 128 query rows (two consumers of 64), K and V tiles through the ring, dQ += dS K.
 
     PYTHONPATH=src python benchmarks/attention_bwd_ws.py compile   # sm_90a facts (any machine)
     PYTHONPATH=src python benchmarks/attention_bwd_ws.py bench     # H200: check and time beside the portable pass
@@ -190,6 +191,139 @@ def attention_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+# ---- the dQ pass ------------------------------------------------------------------------------------
+# Per CTA 128 query rows of one query head (two consumers of 64), the key tiles they see through a ring of K and
+# V: S = Q K^T and dP = dO V^T together, P, dS = P (dP - D), dQ += dS K (dS the register operand). The forward's
+# structure (ws.py) with dS in place of P.
+BLOCK_KEYS = gl.constexpr(64)  # keys per ring step of the dQ pass
+
+
+@gluon.jit
+def _dq_key_end(m0, N_K, pos_offset, window_right, HAS_RIGHT: gl.constexpr):
+    """The end of the keys rows [m0, m0 + 128) see (row i sees j <= i + pos_offset + window_right)."""
+    hi = N_K
+    if HAS_RIGHT:
+        hi = gl.minimum(gl.maximum(m0 + 2 * BLOCK_M - 1 + pos_offset + window_right + 1, 0), N_K)
+    return hi
+
+
+@gluon.jit
+def _dq_producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr, WHICH: gl.constexpr):
+    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr = descs
+    q_bufs, do_bufs, k_bufs, v_bufs = bufs
+    q_ready, ready, empty = bars
+    b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh = params
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + c * BLOCK_M, 0], q_ready, q_bufs.index(c))
+        tma.async_copy_global_to_shared(do_desc, [b, h, m0 + c * BLOCK_M, 0], q_ready, do_bufs.index(c))
+    hi = _dq_key_end(m0, N_K, pos_offset, window_right, HAS_RIGHT)
+    it = 0
+    for n0 in range(0, hi, BLOCK_KEYS):
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, n0, 0], ready.index(slot), k_bufs.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, n0, 0], ready.index(slot), v_bufs.index(slot))
+        it += 1
+
+
+@gluon.jit
+def _dq_consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr, WHICH: gl.constexpr):
+    """Rows m0 + WHICH * 64 ... + 64: their dQ over every key tile the CTA's rows see."""
+    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr = descs
+    q_bufs, do_bufs, k_bufs, v_bufs = bufs
+    q_ready, ready, empty = bars
+    b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh = params
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_KEYS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows0 = m0 + WHICH * BLOCK_M
+    offs_m = rows0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    in_q = offs_m < N_Q
+    lse = gl.load(lse_ptr + pid_bh.to(gl.int64) * N_Q + offs_m, mask=in_q, other=float("-inf"))
+    delta = gl.load(delta_ptr + pid_bh.to(gl.int64) * N_Q + offs_m, mask=in_q, other=0.0)
+    # As in the dK/dV pass, the row terms are the score accumulators' initial values (broadcast along keys).
+    s_init = gl.zeros([BLOCK_M, BLOCK_KEYS], gl.float32, s_layout) - \
+        (gl.where(lse == float("-inf"), float("inf"), lse * LOG2E) / qk_scale)[:, None]
+    dp_init = gl.zeros([BLOCK_M, BLOCK_KEYS], gl.float32, s_layout) - delta[:, None]
+    q_buf = q_bufs.index(WHICH).reshape([BLOCK_M, HEAD_D])
+    do_buf = do_bufs.index(WHICH).reshape([BLOCK_M, HEAD_D])
+    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, acc_layout)
+    mbarrier.wait(q_ready, 0)
+    hi = _dq_key_end(m0, N_K, pos_offset, window_right, HAS_RIGHT)
+    it = 0
+    for n0 in range(0, hi, BLOCK_KEYS):
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        k_buf = k_bufs.index(slot).reshape([BLOCK_KEYS, HEAD_D])
+        v_buf = v_bufs.index(slot).reshape([BLOCK_KEYS, HEAD_D])
+        s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_init, is_async=True)
+        dp = warpgroup_mma(do_buf, v_buf.permute((1, 0)), dp_init, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        s = s * qk_scale
+        # Keys past N_K (zeros from TMA) are masked here: unlike the dK/dV pass, they would reach dQ's rows.
+        offs_n = n0 + gl.arange(0, BLOCK_KEYS, layout=key_layout)
+        if HAS_RIGHT:
+            if n0 + BLOCK_KEYS - 1 > rows0 + pos_offset + window_right:  # the tile crosses this consumer's edge
+                s = gl.where(offs_n[None, :] <= offs_m[:, None] + (pos_offset + window_right), s, float("-inf"))
+        if n0 + BLOCK_KEYS > N_K:
+            s = gl.where((offs_n < N_K)[None, :], s, float("-inf"))
+        p = gl.exp2(s)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds_op = gl.convert_layout((p * dp).to(dtype), op_layout)
+        dq = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        mbarrier.arrive(empty.index(slot), count=1)
+        it += 1
+    # Every wgmma on this consumer's Q buffer has been waited for: it stages dQ.
+    q_buf.store((dq * scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, rows0, 0], q_bufs.index(WHICH))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "H_KV", "pos_offset", "window_right"])
+def attention_bwd_dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
+                               H_Q, H_KV, N_Q, N_K, qk_scale, scale, pos_offset, window_right,
+                               HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release each slot
+    # Query blocks in reverse: under a causal mask the last ones see the most keys, so they start first.
+    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * (2 * BLOCK_M)
+    pid_bh = gl.program_id(1)  # b * H_Q + h
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    h_kv = h // (H_Q // H_KV)
+    descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr)
+    bufs = (q_bufs, do_bufs, k_bufs, v_bufs)
+    bars = (q_ready, ready, empty)
+    params = (b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh)
+    gl.warp_specialize([
+        (_dq_consumer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 0)),
+        (_dq_consumer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 1)),
+        (_dq_producer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 0)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # ---- host side ------------------------------------------------------------------------------------
 def dkdv(q, k, v, dout, lse, delta, *, scale: float, causal: bool, config: str = DEFAULT):
     """(dk, dv) for q, dout [B, Hq, Nq, d], k, v [B, Hkv, Nk, d] (16-bit, d 64 or 128, unit last stride,
@@ -207,17 +341,37 @@ def dkdv(q, k, v, dout, lse, delta, *, scale: float, causal: bool, config: str =
     return dk, dv
 
 
-def compile_job(head_dim: int = 128, causal: bool = True, config: str = DEFAULT, dtype: str = "bfloat16"):
-    """(kernel, signature, constexprs, options) as ``dkdv`` launches it, for tests/tools/compiler.py."""
+def dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool, config: str = DEFAULT):
+    """dq for the same arguments as ``dkdv``."""
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    q_box, kv_box = (1, 1, 64, d), (1, 1, 64, d)
+    attention_bwd_dq_ws_kernel[(cdiv(Nq, 128), B * Hq)](
+        host_descriptor(q, q_box), host_descriptor(k, kv_box), host_descriptor(v, kv_box),
+        host_descriptor(dout, q_box), host_descriptor(out, q_box), lse, delta,
+        Hq, Hkv, Nq, Nk, scale * 1.4426950408889634, scale, Nk - Nq, 0, HAS_RIGHT=causal,
+        STAGES=CONFIGS[config]["STAGES"], num_warps=4, maxnreg=LAUNCH_MAXNREG)
+    return out
+
+
+def compile_job(head_dim: int = 128, causal: bool = True, config: str = DEFAULT, dtype: str = "bfloat16",
+                which: str = "dkdv"):
+    """(kernel, signature, constexprs, options) as ``dkdv`` (``which`` "dkdv") or ``dq`` ("dq") launch it, for
+    tests/tools/compiler.py."""
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
     q_sig = mangle_type(host_descriptor(t, (1, 1, 64, head_dim)))
     kv_sig = mangle_type(host_descriptor(t, (1, 1, KEYS, head_dim)))
-    signature = dict(q_desc=q_sig, k_desc=kv_sig, v_desc=kv_sig, do_desc=q_sig, dk_desc=kv_sig, dv_desc=kv_sig,
-                     lse_ptr="*fp32", delta_ptr="*fp32", H_Q="i32", H_KV="i32", N_Q="i32", N_K="i32",
-                     qk_scale="fp32", scale="fp32", pos_offset="i32", window_right="i32")
+    rest = dict(lse_ptr="*fp32", delta_ptr="*fp32", H_Q="i32", H_KV="i32", N_Q="i32", N_K="i32", qk_scale="fp32",
+                scale="fp32", pos_offset="i32", window_right="i32")
     constexprs = dict(HAS_RIGHT=causal, STAGES=CONFIGS[config]["STAGES"])
+    if which == "dq":
+        signature = dict(q_desc=q_sig, k_desc=q_sig, v_desc=q_sig, do_desc=q_sig, dq_desc=q_sig, **rest)
+        return attention_bwd_dq_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
+    signature = dict(q_desc=q_sig, k_desc=kv_sig, v_desc=kv_sig, do_desc=q_sig, dk_desc=kv_sig, dv_desc=kv_sig,
+                     **rest)
     return attention_bwd_dkdv_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
 
 
@@ -232,16 +386,17 @@ def compile_facts():
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
     from tools.compiler import compile_gluon_sm90
 
-    for d in (64, 128):
-        for name in CONFIGS:
-            for causal in (False, True):
-                facts = compile_gluon_sm90("tools.compiler", "attention_bwd_ws_compile_job",
-                                           dict(head_dim=d, causal=causal, config=name))
-                print(json.dumps(dict(head_dim=d, config=name, causal=causal, **facts)), flush=True)
+    for which in ("dkdv", "dq"):
+        for d in (64, 128):
+            for name in CONFIGS:
+                for causal in (False, True):
+                    facts = compile_gluon_sm90("tools.compiler", "attention_bwd_ws_compile_job",
+                                               dict(head_dim=d, causal=causal, config=name, which=which))
+                    print(json.dumps(dict(which=which, head_dim=d, config=name, causal=causal, **facts)), flush=True)
 
 
 def _portable_dkdv(q, k, v, dout, out, lse, scale, causal):
-    """The launch's whole backward (row-dot, portable dK/dV, dQ) and D, for the reference and the timing."""
+    """The launch's whole backward (row-dot, portable dK/dV, dQ): (dq, dk, dv), for the reference and the timing."""
     from tilefuse.kernels.attention import launch
     Nq, Nk = q.shape[2], k.shape[2]
     return launch.backward(dout, q, k, v, out, lse, None, None, scale, Nk - Nq, -1, 0 if causal else -1, "compiled")
@@ -267,16 +422,24 @@ def bench():
         delta = (dout.float() * out.float()).sum(-1).contiguous()
         _, dk_ref, dv_ref = _portable_dkdv(q, k, v, dout, out, lse, scale, causal)
         flops = 8 * B * Hq * N * N * d * (0.5 if causal else 1.0)  # dK/dV pass: 4 GEMMs of 2*N*N*d
+        # The whole backward as the launch runs it (row-dot, portable dK/dV, portable dQ): the report's
+        # attention_backward time at these shapes, where FA2 and cuDNN sit beside it.
         row = {"case": [B, Hq, Hkv, N, d, causal], "portable_backward_ms": do_bench(
-            lambda: _portable_dkdv(q, k, v, dout, out, lse, scale, causal))}
+            lambda: _portable_dkdv(q, k, v, dout, out, lse, scale, causal)),
+            "delta_torch_ms": do_bench(lambda: (dout.float() * out.float()).sum(-1))}
+        dq_ref = _portable_dkdv(q, k, v, dout, out, lse, scale, causal)[0]
         for name in CONFIGS:
             try:
                 dk, dv = dkdv(q, k, v, dout, lse, delta, scale=scale, causal=causal, config=name)
+                dq_ws = dq(q, k, v, dout, lse, delta, scale=scale, causal=causal, config=name)
                 torch.cuda.synchronize()
-                row[f"ws_{name}_rel_l2_vs_portable_dk_dv"] = [rel(dk, dk_ref), rel(dv, dv_ref)]
+                row[f"ws_{name}_rel_l2_vs_portable_dq_dk_dv"] = [rel(dq_ws, dq_ref), rel(dk, dk_ref), rel(dv, dv_ref)]
                 ms = do_bench(lambda: dkdv(q, k, v, dout, lse, delta, scale=scale, causal=causal, config=name))
                 row[f"ws_{name}_dkdv_ms"] = ms
                 row[f"ws_{name}_dkdv_tflops"] = flops / ms / 1e9
+                ms = do_bench(lambda: dq(q, k, v, dout, lse, delta, scale=scale, causal=causal, config=name))
+                row[f"ws_{name}_dq_ms"] = ms
+                row[f"ws_{name}_dq_tflops"] = flops * 3 / 4 / ms / 1e9  # three GEMMs of 2*N*N*d
             except Exception as e:  # a config that fails is reported, the rest still run
                 row[f"ws_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(row), flush=True)

@@ -282,9 +282,9 @@ def test_alibi_lse_returned_is_the_true_one(device, monkeypatch, path):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(1, 2, 1, 300, 300), (2, 4, 2, 200, 457), (1, 2, 2, 1000, 1000)])
-def test_warp_specialized_dkdv_matches_float64(B, Hq, Hkv, Nq, Nk, causal, d):
-    """The Gluon dK/dV pass (benchmarks/attention_bwd_ws.py, lab code, not dispatched) at every config of its
-    table, on the forward's own lse and D = rowsum(dO * O): GQA, Nq != Nk (bottom-right causal, rows that see
+def test_warp_specialized_backward_passes_match_float64(B, Hq, Hkv, Nq, Nk, causal, d):
+    """The Gluon dK/dV and dQ passes (benchmarks/attention_bwd_ws.py, lab code, not dispatched) at every config of
+    their table, on the forward's own lse and D = rowsum(dO * O): GQA, Nq != Nk (bottom-right causal, rows that see
     no key), tails in both lengths, several key blocks, against float64 autograd."""
     import sys
     from pathlib import Path
@@ -297,9 +297,12 @@ def test_warp_specialized_dkdv_matches_float64(B, Hq, Hkv, Nq, Nk, causal, d):
     do = _r(B, Hq, Nq, d, seed=3, device="cuda")
     out, lse = tilefuse.attention(q, k, v, causal=causal, return_lse=True)
     delta = (do.float() * out.float()).sum(-1).contiguous()
-    _, want_dk, want_dv = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=causal), (q, k, v), (do,))
+    want_dq, want_dk, want_dv = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=causal), (q, k, v),
+                                         (do,))
     for name in attention_bwd_ws.CONFIGS:
-        dk, dv = attention_bwd_ws.dkdv(q, k, v, do, lse.contiguous(), delta, scale=d ** -0.5, causal=causal,
-                                       config=name)
+        args = (q, k, v, do, lse.contiguous(), delta)
+        dk, dv = attention_bwd_ws.dkdv(*args, scale=d ** -0.5, causal=causal, config=name)
+        dq = attention_bwd_ws.dq(*args, scale=d ** -0.5, causal=causal, config=name)
+        assert_close(dq, want_dq, BOUND, f"{name} dQ")
         assert_close(dk, want_dk, BOUND, f"{name} dK")
         assert_close(dv, want_dv, BOUND, f"{name} dV")

@@ -277,13 +277,14 @@ def test_warp_specialized_backward_gemm_compiles(trans_a):
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
 
 
-@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])
-def test_warp_specialized_attention_dkdv_compiles(head_dim, causal):
-    """The Gluon dK/dV pass (benchmarks/attention_bwd_ws.py, lab code): partitions, setmaxnreg 24/240, P^T and
-    dS^T as wgmma's register operand, no spills at d 128 (two [64, 128] fp32 accumulators beside the score
-    tiles: the row terms enter as the score accumulators' initial values to fit), wgmmas not serialised."""
+@pytest.mark.parametrize("which,head_dim,causal", [("dkdv", 64, False), ("dkdv", 128, True), ("dq", 128, True)])
+def test_warp_specialized_attention_backward_compiles(which, head_dim, causal):
+    """The Gluon backward passes (benchmarks/attention_bwd_ws.py, lab code): partitions, setmaxnreg 24/240, P^T
+    and dS^T (dS in the dQ pass) as wgmma's register operand, no spills at d 128 (dK/dV: two [64, 128] fp32
+    accumulators beside the score tiles; the row terms enter as the score accumulators' initial values to
+    fit), wgmmas not serialised."""
     facts = compile_gluon_sm90("tools.compiler", "attention_bwd_ws_compile_job",
-                               dict(head_dim=head_dim, causal=causal))
+                               dict(head_dim=head_dim, causal=causal, which=which))
     assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
     assert not facts["wgmma_serialized"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts

@@ -212,11 +212,11 @@ def backward_gemm_ws_compile_job(trans_a: bool = False, config: str | None = Non
 
 
 def attention_bwd_ws_compile_job(head_dim: int = 128, causal: bool = True, config: str | None = None,
-                                 dtype: str = "bfloat16"):
-    """(kernel, signature, constexprs, options) of benchmarks/attention_bwd_ws.py's dK/dV kernel at one of its
-    CONFIGS (default: its DEFAULT)."""
+                                 dtype: str = "bfloat16", which: str = "dkdv"):
+    """(kernel, signature, constexprs, options) of benchmarks/attention_bwd_ws.py's dK/dV kernel (``which``
+    "dkdv") or dQ kernel ("dq") at one of its CONFIGS (default: its DEFAULT)."""
     lab = _import_lab("attention_bwd_ws")
-    return lab.compile_job(head_dim=head_dim, causal=causal, config=config or lab.DEFAULT, dtype=dtype)
+    return lab.compile_job(head_dim=head_dim, causal=causal, config=config or lab.DEFAULT, dtype=dtype, which=which)
 
 
 if __name__ == "__main__":
