@@ -279,6 +279,28 @@ def test_warp_specialized_gemm_matches_float64(config, activation, bias, dtype, 
 
 
 @pytest.mark.gpu_only
+@pytest.mark.parametrize("activation,bias,dtype", [("gelu", True, torch.bfloat16), ("none", False, torch.float16),
+                                                   ("silu", True, torch.float16)])
+@pytest.mark.parametrize("M,K,N", [(130, 96, 264), (1000, 2040, 1032), (2048, 1024, 4096)])
+def test_cooperative_gemm_forward_matches_float64(activation, bias, dtype, M, K, N):
+    """The cooperative Gluon GEMM (benchmarks/gemm_coop_ws.py, lab code, not dispatched) as the forward at every
+    config of its table that runs without a slope: tails in M, N and K, more tiles than SMs, the bias as the
+    accumulator's initial value."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gemm_coop_ws
+
+    x = _rand(M, K, device="cuda", dtype=dtype)
+    w = _rand(N, K, device="cuda", dtype=dtype, seed=1) * K ** -0.5
+    b = _rand(N, device="cuda", dtype=dtype, seed=3) if bias else None
+    ref = reference.linear(x.double(), w.double(), b.double() if bias else None,
+                           None if activation == "none" else activation)
+    for name, cfg in gemm_coop_ws.CONFIGS.items():
+        if not cfg.get("G_SMEM"):
+            y = gemm_coop_ws.linear(x, w, b, activation, name)
+            assert_close(y, ref, REL_L2_BOUND[dtype], f"coop ws {name} {activation} {M}x{K}x{N}")
+
+
+@pytest.mark.gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M", [1, 16, 512, 1000])  # split-K decode, the TMA kernel, a tail in M
 def test_replayed_launches_compute_each_calls_inputs(M, dtype):

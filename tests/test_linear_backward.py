@@ -360,23 +360,23 @@ def test_hopper_tma_backward_gemms_match_float64(tma_launch_device, monkeypatch,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,K,N", [(130, 96, 264), (1000, 520, 1288), (4096, 1024, 2048)])
 def test_warp_specialized_backward_gemms_match_float64(M, K, N, dtype):
-    """The Gluon backward GEMMs (benchmarks/backward_gemm_ws.py, lab code, not dispatched) at every config of
-    its table: dx = (dy * s) W and dW = (dy * s)^T x, db = column sums, on tails in every dim of the tile and
+    """The Gluon cooperative GEMM (benchmarks/gemm_coop_ws.py, lab code, not dispatched) as the backward's two
+    GEMMs at every config of its table: dx = (dy * s) W and dW = (dy * s)^T x, db = column sums, on tails in every dim of the tile and
     more output tiles than SMs (each CTA's producer runs ahead across tiles), against float64 on the same g."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import backward_gemm_ws
+    import gemm_coop_ws
 
     x = _r(M, K, device="cuda", dtype=dtype)
     w = _r(N, K, seed=1, scale=K ** -0.5, device="cuda", dtype=dtype)
     dy = _r(M, N, seed=2, device="cuda", dtype=dtype)
     s = torch.rand(M, N, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).to(dtype)
     g = (dy.double() * s.double()).to(dtype).double()  # eager's g, rounded to the operand dtype
-    for name in backward_gemm_ws.CONFIGS:
-        dx = backward_gemm_ws.grad_input(dy, s, w, name)
-        dw, db = backward_gemm_ws.grad_weight(dy, s, x, name)
+    for name in (n for n, c in gemm_coop_ws.CONFIGS.items() if not c.get("FORWARD_ONLY")):
+        dx = gemm_coop_ws.grad_input(dy, s, w, name)
+        dw, db = gemm_coop_ws.grad_weight(dy, s, x, name)
         assert_close(dx, g @ w.double(), REL_L2_BOUND[dtype], f"{name} dx")
         assert_close(dw, g.t() @ x.double(), REL_L2_BOUND[dtype], f"{name} dW")
         assert_close(db, g.sum(0), REL_L2_BOUND[dtype], f"{name} db")

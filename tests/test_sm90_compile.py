@@ -264,14 +264,15 @@ def test_warp_specialized_gemm_compiles_without_spills(activation, monkeypatch):
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
 
 
-@pytest.mark.parametrize("trans_a", [False, True], ids=["dx", "dW"])
-def test_warp_specialized_backward_gemm_compiles(trans_a):
-    """The Gluon backward GEMM (benchmarks/backward_gemm_ws.py, lab code): partitions, setmaxnreg 24/240, g made
-    in registers as wgmma's A operand (for dW through a transposed load), the wgmmas not serialised by ptxas
-    (it serialises them when a register operand stays in flight across the loop), no spills, and the ring
-    within the shared memory."""
-    facts = compile_gluon_sm90("tools.compiler", "backward_gemm_ws_compile_job", dict(trans_a=trans_a))
-    assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
+@pytest.mark.parametrize("gemm", ["forward", "dx", "dW"])
+def test_cooperative_gemm_compiles(gemm):
+    """The cooperative Gluon GEMM (benchmarks/gemm_coop_ws.py, lab code) as the forward Linear+GELU and as the
+    backward's two GEMMs: partitions, setmaxnreg 24/240, the backward's g made in registers as wgmma's A operand
+    (for dW through a transposed load), the wgmmas not serialised by ptxas (it serialises them when a register
+    operand stays in flight across the loop), no spills, and the ring within the shared memory."""
+    facts = compile_gluon_sm90("tools.compiler", "gemm_coop_ws_compile_job", dict(gemm=gemm))
+    assert facts["warp_specialized"] and facts["wgmma"], facts
+    assert facts["wgmma_a_in_registers"] == (gemm != "forward"), facts
     assert not facts["wgmma_serialized"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts

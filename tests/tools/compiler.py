@@ -204,11 +204,13 @@ def gemm_ws_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: 
     return gemm_ws.linear_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=gemm_ws.LAUNCH_MAXNREG)
 
 
-def backward_gemm_ws_compile_job(trans_a: bool = False, config: str | None = None, dtype: str = "bfloat16"):
-    """(kernel, signature, constexprs, options) of benchmarks/backward_gemm_ws.py's kernel: dx (``trans_a``
-    False) or dW + db (True), at one of its CONFIGS (default: its DEFAULT)."""
-    lab = _import_lab("backward_gemm_ws")
-    return lab.compile_job(trans_a=trans_a, config=config or lab.DEFAULT, dtype=dtype)
+def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activation: str = "gelu",
+                             dtype: str = "bfloat16"):
+    """(kernel, signature, constexprs, options) of benchmarks/gemm_coop_ws.py's kernel as its ``linear``
+    ("forward"), ``grad_input`` ("dx") or ``grad_weight`` ("dW") launch it, at one of its CONFIGS (default: its
+    DEFAULT)."""
+    lab = _import_lab("gemm_coop_ws")
+    return lab.compile_job(gemm=gemm, config=config or lab.DEFAULT, activation=activation, dtype=dtype)
 
 
 def attention_bwd_ws_compile_job(head_dim: int = 128, causal: bool = True, config: str | None = None,
