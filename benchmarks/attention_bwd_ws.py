@@ -60,12 +60,23 @@ def _query_range(n0, N_Q, pos_offset, window_right, HAS_RIGHT: gl.constexpr):
 
 
 @gluon.jit
+def _fill_slot(empty, ready, it, desc0, desc1, coord0, coord1, bufs0, bufs1):
+    """Ring step ``it`` of a producer: wait for its slot to be free, then one box of each descriptor into it.
+    Empty barriers start out complete for phase 1: nothing to wait for on the first lap."""
+    STAGES: gl.constexpr = bufs0.type.shape[0]
+    slot = it % STAGES
+    mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), desc0.block_type.nbytes + desc1.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc0, coord0, ready.index(slot), bufs0.index(slot))
+    tma.async_copy_global_to_shared(desc1, coord1, ready.index(slot), bufs1.index(slot))
+
+
+@gluon.jit
 def _producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr, WHICH: gl.constexpr):
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr = descs
     q_bufs, do_bufs, k_bufs, v_bufs = bufs
     kv_ready, ready, empty = bars
     b, h_kv, n0, N_Q, N_K, group, qk_scale, scale, pos_offset, window_right, H_Q = params
-    STAGES: gl.constexpr = q_bufs.type.shape[0]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, n0 + c * HALF_N, 0], kv_ready, k_bufs.index(c))
@@ -75,12 +86,7 @@ def _producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.con
     for g in range(group):
         h = h_kv * group + g
         for m0 in range(m_lo, m_hi, BLOCK_M):
-            slot = it % STAGES
-            # Empty barriers start out complete for phase 1: nothing to wait for on the first lap.
-            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], ready.index(slot), q_bufs.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], ready.index(slot), do_bufs.index(slot))
+            _fill_slot(empty, ready, it, q_desc, do_desc, [b, h, m0, 0], [b, h, m0, 0], q_bufs, do_bufs)
             it += 1
 
 
@@ -213,7 +219,6 @@ def _dq_producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.
     q_bufs, do_bufs, k_bufs, v_bufs = bufs
     q_ready, ready, empty = bars
     b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh = params
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + c * BLOCK_M, 0], q_ready, q_bufs.index(c))
@@ -221,11 +226,7 @@ def _dq_producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.
     hi = _dq_key_end(m0, N_K, pos_offset, window_right, HAS_RIGHT)
     it = 0
     for n0 in range(0, hi, BLOCK_KEYS):
-        slot = it % STAGES
-        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, h_kv, n0, 0], ready.index(slot), k_bufs.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, n0, 0], ready.index(slot), v_bufs.index(slot))
+        _fill_slot(empty, ready, it, k_desc, v_desc, [b, h_kv, n0, 0], [b, h_kv, n0, 0], k_bufs, v_bufs)
         it += 1
 
 

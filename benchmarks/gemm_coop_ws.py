@@ -365,12 +365,11 @@ def bench():
     def rel(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+    from grad_weight_variants import bench_inputs
+
     for M, K, N in BENCH_SHAPES:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
-        s = torch.rand(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * N ** -0.5
+        x, dy, s, w = bench_inputs(M, K, N)
         gg = (dy.float() * s.float()).to(torch.bfloat16)  # g as eager rounds it
         ref_dx, ref_dw, ref_db = gg.double() @ w.double(), gg.double().t() @ x.double(), gg.double().sum(0)
         row = {"shape": [M, K, N]}

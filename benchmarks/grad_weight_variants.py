@@ -79,6 +79,17 @@ def compile_facts():
     print(json.dumps(out, indent=1))
 
 
+def bench_inputs(M: int, K: int, N: int):
+    """(x [M, K], dy [M, N], s [M, N], w [N, K]) in bf16 on the GPU: the linear backward's operands, s a slope in
+    [0, 1). Shared with gemm_coop_ws.py's bench."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+    s = torch.rand(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * N ** -0.5
+    return x, dy, s, w
+
+
 def bench():
     from triton.testing import do_bench
 
@@ -90,11 +101,7 @@ def bench():
     ensure_descriptor_allocator()
     rows = []
     for M, K, N in BENCH_SHAPES:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
-        s = torch.rand(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * N ** -0.5
+        x, dy, s, w = bench_inputs(M, K, N)
         shipped = lambda: launch.linear_backward(dy, x, w, None, s, None, False, True, True, "compiled")  # noqa: E731
         shipped_dx = lambda: launch.linear_backward(dy, x, w, None, s, None, True, False, False, "compiled")  # noqa: E731
         row = {"shape": [M, K, N], "gemm_tflop": 2 * M * N * K / 1e12}
