@@ -14,7 +14,7 @@ of one KV head:
   register operand (keys as rows: no transpose). The ring slot goes back when both consumers are done with it.
 - the epilogue scales dK, stages dK and dV in the consumer's own K and V buffers and stores them by TMA
   (4-D descriptors clip rows past the head's N).
-Scope of this form: 16-bit, head dim 64 or 128, no mask, no soft-cap or ALiBi, no left window; causal and
+Scope of this form: 16-bit, head dim up to 128 (80 and 96 in 128-wide tiles), no mask, no soft-cap or ALiBi, no left window; causal and
 right windows (HAS_RIGHT), GQA, any N (rows past N_Q get P = 0 through lse = +inf; keys past N_K only reach
 dK/dV rows that are never stored).
 D = rowsum(dO * O) comes from the portable row-dot kernel. The dQ pass (``attention_bwd_dq_ws_kernel``) has the
@@ -326,14 +326,23 @@ def attention_bwd_dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
 
 
 # ---- host side ------------------------------------------------------------------------------------
+def _tile(d: int) -> int:
+    """The tiles' head-dim width (the forward's rule): 64 or 128. The descriptors keep the tensors' real d, so
+    TMA fills the columns past it with zeros on load and clips them on store (d 80 and 96 run in 128-wide tiles).
+    Past 128 the two [64, d] fp32 accumulators of the dK/dV pass do not fit a consumer's 240 registers."""
+    if d > 128:
+        raise ValueError(f"head dim {d}: the lab passes take d <= 128")
+    return 64 if d <= 64 else 128
+
+
 def dkdv(q, k, v, dout, lse, delta, *, scale: float, causal: bool, config: str = DEFAULT):
-    """(dk, dv) for q, dout [B, Hq, Nq, d], k, v [B, Hkv, Nk, d] (16-bit, d 64 or 128, unit last stride,
+    """(dk, dv) for q, dout [B, Hq, Nq, d], k, v [B, Hkv, Nk, d] (16-bit, d <= 128, unit last stride,
     16-byte-aligned rows), lse and delta fp32 [B, Hq, Nq] contiguous (delta = rowsum(dO * O)); causal
     aligned bottom-right as the forward (pos_offset = Nk - Nq)."""
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    q_box, kv_box = (1, 1, 64, d), (1, 1, KEYS, d)
+    q_box, kv_box = (1, 1, 64, _tile(d)), (1, 1, KEYS, _tile(d))
     attention_bwd_dkdv_ws_kernel[(cdiv(Nk, 2 * KEYS), B * Hkv)](
         host_descriptor(q, q_box), host_descriptor(k, kv_box), host_descriptor(v, kv_box),
         host_descriptor(dout, q_box), host_descriptor(dk, kv_box), host_descriptor(dv, kv_box), lse, delta,
@@ -347,7 +356,7 @@ def dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool, config: str = D
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
-    q_box, kv_box = (1, 1, 64, d), (1, 1, 64, d)
+    q_box, kv_box = (1, 1, 64, _tile(d)), (1, 1, 64, _tile(d))
     attention_bwd_dq_ws_kernel[(cdiv(Nq, 128), B * Hq)](
         host_descriptor(q, q_box), host_descriptor(k, kv_box), host_descriptor(v, kv_box),
         host_descriptor(dout, q_box), host_descriptor(out, q_box), lse, delta,
@@ -363,8 +372,8 @@ def compile_job(head_dim: int = 128, causal: bool = True, config: str = DEFAULT,
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
-    q_sig = mangle_type(host_descriptor(t, (1, 1, 64, head_dim)))
-    kv_sig = mangle_type(host_descriptor(t, (1, 1, KEYS, head_dim)))
+    q_sig = mangle_type(host_descriptor(t, (1, 1, 64, _tile(head_dim))))
+    kv_sig = mangle_type(host_descriptor(t, (1, 1, KEYS, _tile(head_dim))))
     rest = dict(lse_ptr="*fp32", delta_ptr="*fp32", H_Q="i32", H_KV="i32", N_Q="i32", N_K="i32", qk_scale="fp32",
                 scale="fp32", pos_offset="i32", window_right="i32")
     constexprs = dict(HAS_RIGHT=causal, STAGES=CONFIGS[config]["STAGES"])
@@ -380,7 +389,8 @@ def compile_job(head_dim: int = 128, causal: bool = True, config: str = DEFAULT,
 # (B, Hq, Hkv, N, d, causal): the backward grid of the report (B*N = 16k, H = 2048 / d) and a GQA row.
 BENCH_CASES = [(16, 32, 32, 1024, 64, False), (16, 32, 32, 1024, 64, True), (4, 32, 32, 4096, 64, True),
                (16, 16, 16, 1024, 128, False), (16, 16, 16, 1024, 128, True), (4, 16, 16, 4096, 128, False),
-               (4, 16, 16, 4096, 128, True), (1, 16, 16, 16384, 128, True), (1, 32, 8, 2048, 128, True)]
+               (4, 16, 16, 4096, 128, True), (1, 16, 16, 16384, 128, True), (1, 32, 8, 2048, 128, True),
+               (4, 16, 16, 4096, 80, True), (4, 16, 16, 4096, 96, True)]  # issue 18's head-dim rows
 
 
 def compile_facts():

@@ -279,7 +279,7 @@ def test_alibi_lse_returned_is_the_true_one(device, monkeypatch, path):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 80, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(1, 2, 1, 300, 300), (2, 4, 2, 200, 457), (1, 2, 2, 1000, 1000)])
 def test_warp_specialized_backward_passes_match_float64(B, Hq, Hkv, Nq, Nk, causal, d):
