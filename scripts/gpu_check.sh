@@ -14,7 +14,9 @@
 # HOST_PER_OP=1 to time the host side of every op first (benchmarks/host_per_op.py: this tree with and
 # without the launch layer's fast path, and the tree carried in .carry/old/src when there is one),
 # REPORT_ARGS extra arguments for `tilefuse report`, split as a shell would (quotes group words, no globbing:
-# REPORT_ARGS="--anchors 'eager unfused' 'torch.compile.*'").
+# REPORT_ARGS="--anchors 'eager unfused' 'torch.compile.*'"), LABS=1 to run the Gluon labs' benches after the tests
+# (benchmarks/gemm_coop_ws.py bench and forward, benchmarks/attention_bwd_ws.py bench; LAB_LIMIT seconds each,
+# default 120), each into $OUT/lab_<name>.jsonl.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tilefuse_out}
@@ -82,6 +84,14 @@ if [ "${TESTS:-1}" = 1 ]; then
     run_tests "$(( TESTS_END - $(date +%s) ))" "_registry" "${REGISTRY[@]}"
   fi
   tail -3 "$OUT/tests.log"
+fi
+if [ "${LABS:-0}" = 1 ]; then
+  for lab in "gemm_coop_ws bench" "gemm_coop_ws forward" "attention_bwd_ws bench"; do
+    set -- $lab
+    timeout "${LAB_LIMIT:-120}" python3 "benchmarks/$1.py" "$2" > "$OUT/lab_$1_$2.jsonl" 2> "$OUT/lab_$1_$2.log"
+    echo "lab $1 $2 exit: $?" >> "$OUT/lab_$1_$2.log"
+    tail -1 "$OUT/lab_$1_$2.log"
+  done
 fi
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   TILEFUSE_AUTOTUNE=0 timeout "${SANITIZE_LIMIT:-150}" compute-sanitizer --tool memcheck --error-exitcode 3 \
