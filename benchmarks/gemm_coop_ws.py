@@ -5,6 +5,8 @@ nothing in src/ imports this file. tests/tools/compiler.py's gemm_coop_ws_compil
 C[Mc, Nc] = act(op(A) @ B + bias), op(A) = A [Mc, R], A^T (TRANS_A: A stored [R, Mc]), or either times a slope S
 made on the fly (HAS_SLOPE); B [R, Nc], or B^T stored [Nc, R] (B_KMAJOR); db = row sums of op(A) (HAS_DB):
 - forward:  y[M, N] = act(x[M, K] @ W^T + b)             (A = x, B_KMAJOR: W as nn.Linear keeps it)
+- gated:    y = glu(x @ W_gate^T + b_gate, x @ W_up^T + b_up)   (GATED: both weight tiles per K step, two
+            accumulators per consumer, the SwiGLU/GeGLU epilogue: the gate and up products never reach HBM)
 - dx[M, K] = g[M, N] @ W[N, K], g = dy * s               (HAS_SLOPE; s the activation's slope, saved by the forward)
 - dW[N, K] = g^T[N, M] @ x[M, K], db[N] = sum_m g        (HAS_SLOPE, TRANS_A, HAS_DB)
 
@@ -21,7 +23,8 @@ epilogue (the activation) stores each consumer's
 
     PYTHONPATH=src python benchmarks/gemm_coop_ws.py compile   # sm_90a facts (any machine)
     PYTHONPATH=src python benchmarks/gemm_coop_ws.py bench     # H200: the backward GEMMs beside the launch and cuBLAS
-    PYTHONPATH=src python benchmarks/gemm_coop_ws.py forward   # H200: Linear+GELU beside tilefuse.linear and cuBLASLt
+    PYTHONPATH=src python benchmarks/gemm_coop_ws.py forward   # H200: Linear+GELU beside tilefuse.linear and cuBLASLt,
+                                                               # then SwiGLU beside tilefuse's gated kernel and eager
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from tilefuse.kernels.activations import apply_activation
+from tilefuse.kernels.activations import apply_activation, apply_gated
 from tilefuse.kernels.gluon_host import host_descriptor
 from tilefuse.sizes import cdiv
 
@@ -60,6 +63,12 @@ CONFIGS = {
 DEFAULT = "128x128x64_s4"
 
 
+def gated_configs() -> list:
+    """The configs the gated forward takes: two [64, BLOCK_N] fp32 accumulators fit a consumer's registers at
+    BLOCK_N 128 only."""
+    return [n for n, c in CONFIGS.items() if c["BLOCK_N"] == 128 and not c.get("G_SMEM")]
+
+
 @gluon.jit
 def _counts(a_desc, c_desc, sizes, TRANS_A: gl.constexpr):
     """Output tiles along Mc and Nc, and K steps over R (the tile from the A and C boxes)."""
@@ -70,16 +79,17 @@ def _counts(a_desc, c_desc, sizes, TRANS_A: gl.constexpr):
 
 @gluon.jit
 def _producer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr,
-              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, HAS_DB: gl.constexpr, G_SMEM: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
+              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
+              G_SMEM: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
     """One warp: every K step of every output tile of this CTA, in order, through the ring."""
-    a_desc, s_desc, b_desc, c_desc, bias_ptr, db_ptr = descs
-    a_bufs, s_bufs, b_bufs, c_bufs, g_bufs = bufs
+    a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
+    a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs, g_bufs = bufs
     ready, empty = bars
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0 if TRANS_A else 1]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     STAGES: gl.constexpr = b_bufs.type.shape[0]
-    step_bytes: gl.constexpr = (4 if HAS_SLOPE else 2) * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    step_bytes: gl.constexpr = ((4 if HAS_SLOPE else 2) * a_desc.block_type.nbytes
+                                + (2 if GATED else 1) * b_desc.block_type.nbytes)
     num_pid_m, num_pid_n, k_steps = _counts(a_desc, c_desc, sizes, TRANS_A)
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
@@ -103,16 +113,18 @@ def _producer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
             else:
                 b_coord = [kk * BLOCK_K, pid_n * BLOCK_N]
             tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(slot), b_bufs.index(slot))
+            if GATED:  # the up projection's weight tile beside the gate's
+                tma.async_copy_global_to_shared(bu_desc, b_coord, ready.index(slot), bu_bufs.index(slot))
             step += 1
 
 
 @gluon.jit
 def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr,
-              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, HAS_DB: gl.constexpr, G_SMEM: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
+              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
+              G_SMEM: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
     """Consumer WHICH: rows [WHICH * 64, WHICH * 64 + 64) of every output tile of this CTA."""
-    a_desc, s_desc, b_desc, c_desc, bias_ptr, db_ptr = descs
-    a_bufs, s_bufs, b_bufs, c_bufs, g_bufs = bufs
+    a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
+    a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs, g_bufs = bufs
     ready, empty = bars
     Mc, Nc, R = sizes
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -129,11 +141,17 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
+        if GATED:
+            acc_up = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
+        else:
+            acc_up = acc  # unused
         if HAS_BIAS:
             # The bias is the accumulator's initial value: its row vector (BLOCK_N / 4 registers a thread) is
             # dead before the main loop, where in the epilogue it spilled beside the activation at BLOCK_N 256.
             offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
             acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < Nc, other=0.0).to(gl.float32)[None, :]
+            if GATED:
+                acc_up = acc_up + gl.load(bias_up_ptr + offs_n, mask=offs_n < Nc, other=0.0).to(gl.float32)[None, :]
         db_acc = gl.zeros([HALF_M], gl.float32, row_layout)
         for kk in range(k_steps):
             slot = step % STAGES
@@ -169,20 +187,34 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
                     acc = warpgroup_mma(g, b_view, acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc, ))
                     mbarrier.arrive(empty.index(slot), count=1)
+            elif GATED:  # gate and up from the same A tile: this step's two wgmmas in flight
+                bu_view = bu_bufs.index(slot)
+                if B_KMAJOR:
+                    bu_view = bu_view.permute((1, 0))
+                acc = warpgroup_mma(a_view, b_view, acc, is_async=True)
+                acc_up = warpgroup_mma(a_view, bu_view, acc_up, is_async=True)
+                acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
             else:  # A as TMA delivered it: one wgmma in flight, step k-1's slot released
                 acc = warpgroup_mma(a_view, b_view, acc, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
             step += 1
         if G_SMEM or not HAS_SLOPE:  # the tile's last step
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            if GATED:
+                acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
         row0 = pid_m * (2 * HALF_M) + WHICH * HALF_M
         if HAS_DB:
             if pid_n == 0:  # the first column band of tiles stores db
                 offs = row0 + gl.arange(0, HALF_M, layout=row_layout)
                 gl.store(db_ptr + offs, db_acc.to(dtype), mask=offs < Mc)
-        out = apply_activation(acc, ACTIVATION).to(dtype)
+        if GATED:
+            out = apply_gated(acc, acc_up, ACTIVATION).to(dtype)
+        else:
+            out = apply_activation(acc, ACTIVATION).to(dtype)
         # The previous tile's store has had this tile's whole main loop to leave the staging buffer.
         tma.store_wait(0)
         c_buf.store(out)
@@ -192,37 +224,48 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
 
 
 @gluon.jit
-def gemm_coop_ws_kernel(a_desc, s_desc, b_desc, c_desc, bias_ptr, db_ptr, Mc, Nc, R, TRANS_A: gl.constexpr,
-                        HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        ACTIVATION: gl.constexpr, HAS_DB: gl.constexpr, G_SMEM: gl.constexpr, STAGES: gl.constexpr,
-                        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
+def gemm_coop_ws_kernel(a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr, Mc, Nc, R,
+                        TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr, G_SMEM: gl.constexpr,
+                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
     """C[Mc, Nc] = act(op(A) @ B + bias): op(A) = A, A^T (TRANS_A), or either times a slope S (HAS_SLOPE);
-    B [R, Nc], or B^T stored [Nc, R] (B_KMAJOR); db = row sums of op(A) (HAS_DB)."""
+    B [R, Nc], or B^T stored [Nc, R] (B_KMAJOR); db = row sums of op(A) (HAS_DB). GATED (without a slope):
+    C = glu(op(A) @ B + bias, op(A) @ B_up + bias_up), the gated activation of the two products."""
     dtype: gl.constexpr = a_desc.dtype
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0 if TRANS_A else 1]
     a_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    s_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES if HAS_SLOPE else 1] + s_desc.block_type.shape,
-                                       s_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    # Buffers a form does not use alias ones it does (never indexed there): no shared memory for them.
+    if HAS_SLOPE:
+        s_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + s_desc.block_type.shape, s_desc.layout)
+    else:
+        s_bufs = a_bufs
+    if GATED:
+        bu_bufs = gl.allocate_shared_memory(dtype, [STAGES] + bu_desc.block_type.shape, bu_desc.layout)
+    else:
+        bu_bufs = b_bufs
     c_bufs = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-    g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], dtype)
-    g_bufs = gl.allocate_shared_memory(dtype, [4 if G_SMEM else 1, HALF_M, BLOCK_K], g_layout)
+    if G_SMEM:
+        g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], dtype)
+        g_bufs = gl.allocate_shared_memory(dtype, [4, HALF_M, BLOCK_K], g_layout)
+    else:
+        g_bufs = a_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release each K step
-    descs = (a_desc, s_desc, b_desc, c_desc, bias_ptr, db_ptr)
-    bufs = (a_bufs, s_bufs, b_bufs, c_bufs, g_bufs)
+    descs = (a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr)
+    bufs = (a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs, g_bufs)
     bars = (ready, empty)
     sizes = (Mc, Nc, R)
     # Constexprs go as separate arguments (inside a tuple they would become runtime values).
     gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, HAS_DB, G_SMEM,
+        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB, G_SMEM,
                      GROUP_M, NUM_SMS, 0)),
-        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, HAS_DB, G_SMEM,
+        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB, G_SMEM,
                      GROUP_M, NUM_SMS, 1)),
-        (_producer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, HAS_DB, G_SMEM,
+        (_producer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB, G_SMEM,
                      GROUP_M, NUM_SMS, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -244,25 +287,29 @@ def _boxes(trans_a: bool, b_kmajor: bool, cfg: dict):
             (HALF_ROWS, bn))
 
 
-def _flags(trans_a, slope, b_kmajor, bias, activation, db, cfg, num_sms):
+def _flags(trans_a, slope, b_kmajor, bias, activation, db, cfg, num_sms, gated=False):
     return dict(TRANS_A=trans_a, HAS_SLOPE=slope, B_KMAJOR=b_kmajor, HAS_BIAS=bias, ACTIVATION=activation or "none",
-                HAS_DB=db, G_SMEM=cfg.get("G_SMEM", False) and slope, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
-                NUM_SMS=num_sms)
+                GATED=gated, HAS_DB=db, G_SMEM=cfg.get("G_SMEM", False) and slope, STAGES=cfg["STAGES"],
+                GROUP_M=cfg["GROUP_M"], NUM_SMS=num_sms)
 
 
-def _launch(a, s, b, c, *, trans_a=False, b_kmajor=False, bias=None, activation=None, db=None, config=DEFAULT):
-    """C = act(op(A) @ B + bias) for 16-bit dense-row operands (``gemm_coop_ws_kernel``); ``s`` None or the slope."""
+def _launch(a, s, b, c, *, trans_a=False, b_kmajor=False, bias=None, activation=None, db=None, b_up=None,
+            bias_up=None, config=DEFAULT):
+    """C = act(op(A) @ B + bias) for 16-bit dense-row operands (``gemm_coop_ws_kernel``); ``s`` None or the slope;
+    ``b_up`` (with ``bias_up``) the up projection of a gated activation."""
     cfg = CONFIGS[config]
     Mc, Nc = c.shape
     R = a.shape[0] if trans_a else a.shape[1]
     a_box, b_box, c_box = _boxes(trans_a, b_kmajor, cfg)
     num_sms = _num_sms(c.device)
     tiles = cdiv(Mc, 2 * HALF_ROWS) * cdiv(Nc, cfg["BLOCK_N"])
-    a_d = host_descriptor(a, a_box)
+    a_d, b_d = host_descriptor(a, a_box), host_descriptor(b, b_box)
     gemm_coop_ws_kernel[(min(num_sms, tiles),)](
-        a_d, host_descriptor(s, a_box) if s is not None else a_d, host_descriptor(b, b_box), host_descriptor(c, c_box),
-        bias if bias is not None else c, db if db is not None else c, Mc, Nc, R,
-        **_flags(trans_a, s is not None, b_kmajor, bias is not None, activation, db is not None, cfg, num_sms),
+        a_d, host_descriptor(s, a_box) if s is not None else a_d, b_d,
+        host_descriptor(b_up, b_box) if b_up is not None else b_d, host_descriptor(c, c_box),
+        bias if bias is not None else c, bias_up if bias_up is not None else c, db if db is not None else c, Mc, Nc, R,
+        **_flags(trans_a, s is not None, b_kmajor, bias is not None, activation, db is not None, cfg, num_sms,
+                 gated=b_up is not None),
         num_warps=4, maxnreg=LAUNCH_MAXNREG)
 
 
@@ -270,6 +317,14 @@ def linear(x, w, b=None, activation=None, config: str = DEFAULT):
     """The forward: act(x @ w^T + b), x [M, K], w [N, K] (nn.Linear's layout, read as K-major B tiles)."""
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     _launch(x, None, w, y, b_kmajor=True, bias=b, activation=activation, config=config)
+    return y
+
+
+def gated_linear(x, w_gate, w_up, b_gate=None, b_up=None, activation="swiglu", config: str = DEFAULT):
+    """The gated forward: glu(x @ w_gate^T + b_gate, x @ w_up^T + b_up), "swiglu" | "geglu" | "geglu_tanh"."""
+    y = torch.empty(x.shape[0], w_gate.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, None, w_gate, y, b_kmajor=True, bias=b_gate, activation=activation, b_up=w_up, bias_up=b_up,
+            config=config)
     return y
 
 
@@ -290,20 +345,25 @@ def grad_weight(dy, s, x, config: str = DEFAULT):
 
 def compile_job(gemm: str = "dx", config: str = DEFAULT, activation: str = "gelu", dtype: str = "bfloat16",
                 num_sms: int = 132):
-    """(kernel, signature, constexprs, options) as ``linear`` ("forward"), ``grad_input`` ("dx") or ``grad_weight``
-    ("dW") launch it, for tests/tools/compiler.py."""
+    """(kernel, signature, constexprs, options) as ``linear`` ("forward"), ``gated_linear`` ("gated"), ``grad_input``
+    ("dx") or ``grad_weight`` ("dW") launch it, for tests/tools/compiler.py."""
     from triton.runtime.jit import mangle_type
 
     cfg = CONFIGS[config]
-    trans_a, slope, b_kmajor = {"forward": (False, False, True), "dx": (False, True, False), "dW": (True, True, False)}[gemm]
+    trans_a, slope, b_kmajor = {"forward": (False, False, True), "gated": (False, False, True),
+                                "dx": (False, True, False), "dW": (True, True, False)}[gemm]
     t = torch.empty(256, 256, dtype=getattr(torch, dtype))
     a_box, b_box, c_box = _boxes(trans_a, b_kmajor, cfg)
     a_sig = mangle_type(host_descriptor(t, a_box))
-    signature = dict(a_desc=a_sig, s_desc=a_sig, b_desc=mangle_type(host_descriptor(t, b_box)),
-                     c_desc=mangle_type(host_descriptor(t, c_box)), bias_ptr=mangle_type(t), db_ptr=mangle_type(t),
+    b_sig = mangle_type(host_descriptor(t, b_box))
+    signature = dict(a_desc=a_sig, s_desc=a_sig, b_desc=b_sig, bu_desc=b_sig, c_desc=mangle_type(host_descriptor(t, c_box)),
+                     bias_ptr=mangle_type(t), bias_up_ptr=mangle_type(t), db_ptr=mangle_type(t),
                      Mc="i32", Nc="i32", R="i32")
-    forward = gemm == "forward"
-    constexprs = _flags(trans_a, slope, b_kmajor, forward, activation if forward else None, gemm == "dW", cfg, num_sms)
+    forward = gemm in ("forward", "gated")
+    if gemm == "gated" and activation not in ("swiglu", "geglu", "geglu_tanh"):
+        activation = "swiglu"
+    constexprs = _flags(trans_a, slope, b_kmajor, forward, activation if forward else None, gemm == "dW", cfg, num_sms,
+                        gated=gemm == "gated")
     return gemm_coop_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
 
 
@@ -317,12 +377,15 @@ def compile_facts():
     from tools.compiler import compile_gluon_sm90
 
     for name in CONFIGS:
-        for gemm in ("forward", "dx", "dW"):
-            if gemm == "forward" and CONFIGS[name].get("G_SMEM"):
+        for gemm in ("forward", "gated", "dx", "dW"):
+            if gemm in ("forward", "gated") and CONFIGS[name].get("G_SMEM"):
                 continue  # the same kernel as its register-g twin: G_SMEM only changes the slope's path
-            if gemm != "forward" and CONFIGS[name].get("FORWARD_ONLY"):
+            if gemm in ("dx", "dW") and CONFIGS[name].get("FORWARD_ONLY"):
                 continue
-            facts = compile_gluon_sm90("tools.compiler", "gemm_coop_ws_compile_job", dict(gemm=gemm, config=name))
+            if gemm == "gated" and name not in gated_configs():
+                continue
+            facts = compile_gluon_sm90("tools.compiler", "gemm_coop_ws_compile_job",
+                                       dict(gemm=gemm, config=name, activation="swiglu" if gemm == "gated" else "gelu"))
             print(json.dumps(dict(config=name, gemm=gemm, **facts)), flush=True)
 
 
@@ -351,6 +414,25 @@ def bench_forward():
                 y = linear(x, w, b, "gelu", name)
                 row[f"ws_{name}_rel_l2"] = ((y.double() - ref).norm() / ref.norm()).item()
                 row[f"ws_{name}_ms"] = do_bench(lambda: linear(x, w, b, "gelu", name))
+            except Exception as e:  # a config that fails is reported, the rest still run
+                row[f"ws_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), flush=True)
+    from tilefuse.opspecs.gated_linear import BENCH_SHAPES as GATED_SHAPES
+
+    for M, K, N in GATED_SHAPES:  # SwiGLU, no bias: beside tilefuse's gated kernel and eager's two GEMMs
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        wg, wu = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * K ** -0.5 for _ in range(2))
+        ref = torch.nn.functional.silu(x.double() @ wg.double().t()) * (x.double() @ wu.double().t())
+        row = {"shape": [M, K, N], "activation": "swiglu",
+               "tilefuse_ms": do_bench(lambda: tilefuse.linear(x, (wg, wu), None, "swiglu")),
+               "eager_ms": do_bench(lambda: torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())),
+               "cublas_two_gemms_ms": do_bench(lambda: (torch.mm(x, wg.t()), torch.mm(x, wu.t())))}
+        for name in gated_configs():
+            try:
+                y = gated_linear(x, wg, wu, None, None, "swiglu", name)
+                row[f"ws_{name}_rel_l2"] = ((y.double() - ref).norm() / ref.norm()).item()
+                row[f"ws_{name}_ms"] = do_bench(lambda: gated_linear(x, wg, wu, None, None, "swiglu", name))
             except Exception as e:  # a config that fails is reported, the rest still run
                 row[f"ws_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(row), flush=True)

@@ -298,6 +298,15 @@ def test_cooperative_gemm_forward_matches_float64(activation, bias, dtype, M, K,
         if not cfg.get("G_SMEM"):
             y = gemm_coop_ws.linear(x, w, b, activation, name)
             assert_close(y, ref, REL_L2_BOUND[dtype], f"coop ws {name} {activation} {M}x{K}x{N}")
+    # The gated form (SwiGLU / GeGLU) on the same shapes, the up projection's weight and bias beside the gate's.
+    gated = {"gelu": "geglu", "none": "swiglu", "silu": "swiglu"}[activation]
+    wu = _rand(N, K, device="cuda", dtype=dtype, seed=5) * K ** -0.5
+    bu = _rand(N, device="cuda", dtype=dtype, seed=6) if bias else None
+    ref = reference.gated_linear(x.double(), w.double(), wu.double(), b.double() if bias else None,
+                                 bu.double() if bias else None, gated)
+    for name in gemm_coop_ws.gated_configs():
+        y = gemm_coop_ws.gated_linear(x, w, wu, b, bu, gated, name)
+        assert_close(y, ref, REL_L2_BOUND[dtype], f"coop ws gated {name} {gated} {M}x{K}x{N}")
 
 
 @pytest.mark.gpu_only

@@ -264,15 +264,16 @@ def test_warp_specialized_gemm_compiles_without_spills(activation, monkeypatch):
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
 
 
-@pytest.mark.parametrize("gemm", ["forward", "dx", "dW"])
+@pytest.mark.parametrize("gemm", ["forward", "gated", "dx", "dW"])
 def test_cooperative_gemm_compiles(gemm):
-    """The cooperative Gluon GEMM (benchmarks/gemm_coop_ws.py, lab code) as the forward Linear+GELU and as the
-    backward's two GEMMs: partitions, setmaxnreg 24/240, the backward's g made in registers as wgmma's A operand
+    """The cooperative Gluon GEMM (benchmarks/gemm_coop_ws.py, lab code) as the forward Linear+GELU, the gated
+    forward (SwiGLU: two accumulators per consumer) and the backward's two GEMMs: partitions, setmaxnreg 24/240, the backward's g made in registers as wgmma's A operand
     (for dW through a transposed load), the wgmmas not serialised by ptxas (it serialises them when a register
     operand stays in flight across the loop), no spills, and the ring within the shared memory."""
-    facts = compile_gluon_sm90("tools.compiler", "gemm_coop_ws_compile_job", dict(gemm=gemm))
+    facts = compile_gluon_sm90("tools.compiler", "gemm_coop_ws_compile_job",
+                               dict(gemm=gemm, activation="swiglu" if gemm == "gated" else "gelu"))
     assert facts["warp_specialized"] and facts["wgmma"], facts
-    assert facts["wgmma_a_in_registers"] == (gemm != "forward"), facts
+    assert facts["wgmma_a_in_registers"] == (gemm in ("dx", "dW")), facts
     assert not facts["wgmma_serialized"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
