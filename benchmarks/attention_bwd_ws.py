@@ -35,6 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from tilefuse.kernels.attention.ws import tile_head_dim
 from tilefuse.kernels.gluon_host import host_descriptor
 from tilefuse.sizes import cdiv
 
@@ -327,12 +328,12 @@ def attention_bwd_dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
 
 # ---- host side ------------------------------------------------------------------------------------
 def _tile(d: int) -> int:
-    """The tiles' head-dim width (the forward's rule): 64 or 128. The descriptors keep the tensors' real d, so
+    """The tiles' head-dim width, the forward's (ws.tile_head_dim): the descriptors keep the tensors' real d, so
     TMA fills the columns past it with zeros on load and clips them on store (d 80 and 96 run in 128-wide tiles).
     Past 128 the two [64, d] fp32 accumulators of the dK/dV pass do not fit a consumer's 240 registers."""
     if d > 128:
         raise ValueError(f"head dim {d}: the lab passes take d <= 128")
-    return 64 if d <= 64 else 128
+    return tile_head_dim(d)
 
 
 def dkdv(q, k, v, dout, lse, delta, *, scale: float, causal: bool, config: str = DEFAULT):

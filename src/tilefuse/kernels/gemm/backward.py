@@ -15,10 +15,9 @@ Two kernels, each a tiled GEMM whose A operand is ``dy * s`` (``dy`` alone witho
 - ``grad_weight_kernel``: dW[N, K] = g^T[N, M] @ x[M, K], and db[N] = sum_m g from the same g tiles (the
   programs of the first K column band store it). Program tile BLOCK_M x BLOCK_N over (N, K), M walked in
   BLOCK_K steps. Gated: launched once per branch.
-Persistent TMA forms for Hopper (16-bit, TMA-able operands), each taken where the launch's BACKWARD_TMA names it:
-``grad_weight_tma_kernel``, which computes dW^T = x^T @ g so that x^T is wgmma's shared-memory A operand as TMA
-delivered it (shipped: faster than ``grad_weight_kernel`` on the H200), and ``grad_input_tma_kernel``, the dx
-product from TMA tiles (slower there than the tuned ``grad_input_kernel``, so off by default).
+On Hopper (16-bit, TMA-able operands) dW takes ``grad_weight_tma_kernel``, a persistent TMA GEMM computing
+dW^T = x^T @ g so that x^T is wgmma's shared-memory A operand as TMA delivered it; dx stays on the tuned
+``grad_input_kernel`` (a TMA form of it measured slower: NOTES.md).
 BLOCK_M/BLOCK_N/BLOCK_K name the output rows, output columns and the reduction, as in the forward's
 config space. Accumulation in fp32 (dW and db too), one cast on store.
 HBM bytes (element size s, plain form): fused = dy and the slope read by each kernel (4*M*N*s) + W, x
@@ -165,67 +164,7 @@ def grad_weight_kernel(
         tl.store(db_ptr + offs_n, db.to(db_ptr.dtype.element_ty), mask=mask_n & (pid_k == 0))
 
 
-# ---- Hopper: the same two GEMMs as persistent TMA GEMMs ------------------------------------------------
-@triton.jit
-def _weight_rows_desc(w_ptr, N, K, stride_w, W_KN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """W [N, K] in [BLOCK_K (n), BLOCK_N (k)] tiles (dx's B operand): nn.Linear's layout as it lies, or with
-    W_KN W^T [K, N] as GPT-2's Conv1D keeps it (tiles [BLOCK_N, BLOCK_K], transposed on load)."""
-    if W_KN:
-        desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[stride_w, 1], block_shape=[BLOCK_N, BLOCK_K])
-    else:
-        desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_w, 1], block_shape=[BLOCK_K, BLOCK_N])
-    return desc
-
-
-@triton.jit
-def _grad_input_tma_pass(acc, dy_desc, s_desc, w_desc, off_m, off_k, N, HAS_SLOPE: tl.constexpr,
-                         W_KN: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += (dy * s)[rows, :] @ W[:, cols] from TMA tiles, the forward's N walked in BLOCK_K steps."""
-    for ri in range(tl.cdiv(N, BLOCK_K)):
-        r0 = ri * BLOCK_K
-        g = dy_desc.load([off_m, r0])
-        if HAS_SLOPE:  # rounded to the operand dtype as eager's g tensor is
-            g = (g.to(tl.float32) * s_desc.load([off_m, r0]).to(tl.float32)).to(g.dtype)
-        if W_KN:
-            acc = tl.dot(g, w_desc.load([off_k, r0]).T, acc)
-        else:
-            acc = tl.dot(g, w_desc.load([r0, off_k]), acc)
-    return acc
-
-
-@triton.jit
-def grad_input_tma_kernel(
-    dy_ptr, s_ptr, su_ptr, w_ptr, wu_ptr, dx_ptr,
-    M, N, K,
-    stride_dym, stride_sm, stride_sum, stride_w, stride_wu, stride_dxm,
-    HAS_SLOPE: tl.constexpr, GATED: tl.constexpr, W_KN: tl.constexpr,
-    NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """Hopper: ``grad_input_kernel`` as a persistent TMA GEMM. dx tiles [BLOCK_M (m), BLOCK_N (k)]; g = dy * s
-    made in registers from TMA tiles (wgmma's A from registers), W's tiles from shared memory; tiles past an
-    edge arrive zero-filled and the TMA store of dx clips them. Gated: the up branch as a second pass."""
-    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_K])
-    s_desc = tl.make_tensor_descriptor(s_ptr, shape=[M, N], strides=[stride_sm, 1], block_shape=[BLOCK_M, BLOCK_K])
-    w_desc = _weight_rows_desc(w_ptr, N, K, stride_w, W_KN, BLOCK_K, BLOCK_N)
-    if GATED:
-        su_desc = tl.make_tensor_descriptor(su_ptr, shape=[M, N], strides=[stride_sum, 1],
-                                            block_shape=[BLOCK_M, BLOCK_K])
-        wu_desc = _weight_rows_desc(wu_ptr, N, K, stride_wu, W_KN, BLOCK_K, BLOCK_N)
-    dx_desc = tl.make_tensor_descriptor(dx_ptr, shape=[M, K], strides=[stride_dxm, 1], block_shape=[BLOCK_M, BLOCK_N])
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_k = tl.cdiv(K, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_k, NUM_SMS, flatten=True):
-        pid_m, pid_k = grouped_tile(tile_id, num_pid_m, num_pid_k, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_k = pid_k * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _grad_input_tma_pass(acc, dy_desc, s_desc, w_desc, off_m, off_k, N, HAS_SLOPE, W_KN, BLOCK_K)
-        if GATED:
-            acc = _grad_input_tma_pass(acc, dy_desc, su_desc, wu_desc, off_m, off_k, N, HAS_SLOPE, W_KN, BLOCK_K)
-        dx_desc.store([off_m, off_k], acc.to(dx_ptr.dtype.element_ty))
-
-
+# ---- Hopper: dW as a persistent TMA GEMM ---------------------------------------------------------------
 @triton.jit
 def grad_weight_tma_kernel(
     dy_ptr, s_ptr, x_ptr, dw_ptr, db_ptr,

@@ -10,8 +10,8 @@ config, grid and K split, for tilefuse.linear (plain and gated) and tilefuse.lay
   pre-pass (the norms family's kernel) and normalization in the GEMM's prologue (norm_prologue.py).
 - Training: every forward entry takes ``save_slope`` and then also returns the activation's slope(s)
   ``act'(pre)`` its kernel stored (backward.py says why the slope, not the pre-activation); the backward
-  entry runs the two backward GEMMs (backward.py), which make ``g = dy * slope`` in their operand loads:
-  persistent TMA kernels on Hopper (16-bit, TMA-able operands), the tuned pointer kernels elsewhere.
+  entry runs the two backward GEMMs (backward.py), which make ``g = dy * slope`` in their operand loads: dW
+  as a persistent TMA kernel on Hopper (16-bit, TMA-able operands), the tuned pointer kernels otherwise.
 
 Each entry allocates its output, records what ran (kernels/launches.py) and goes through the family's
 fast path (kernels/fastpath.py). Inputs arrive checked and non-empty (tilefuse.ops).
@@ -25,8 +25,7 @@ import torch
 from tilefuse import runtime, sizes, tuning
 from tilefuse.kernels import fastpath, launches
 from tilefuse.kernels.gemm import configs
-from tilefuse.kernels.gemm.backward import (grad_input_kernel, grad_input_tma_kernel, grad_weight_kernel,
-                                            grad_weight_tma_kernel)
+from tilefuse.kernels.gemm.backward import grad_input_kernel, grad_weight_kernel, grad_weight_tma_kernel
 from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
 from tilefuse.kernels.gemm.tma import linear_tma_kernel
@@ -424,16 +423,10 @@ def linear_backward(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, 
         lambda: _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path))
 
 
-# Hopper's backward GEMMs (backward.py: grad_input_tma_kernel, grad_weight_tma_kernel), one tile each, by name:
-# the ones taken where their operands allow. On the H200 (bf16, the five bench shapes) the TMA dW^T kernel beats
-# the tuned pointer dW by 9-14%, while the TMA dx kernel loses to the tuned pointer dx by 20-30% (g = dy * s made
-# in registers stalls its pipeline): only "grad_weight" ships. An empty set leaves every backward to the pointer
-# kernels.
-BACKWARD_TMA = frozenset({"grad_weight"})
-BACKWARD_TMA_TILES = {
-    "grad_input": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-    "grad_weight": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-}
+# Hopper's dW kernel (backward.py: grad_weight_tma_kernel), taken where its operands allow (measured faster than
+# the tuned pointer dW: NOTES.md), at one tile. False leaves dW to the pointer kernel too.
+BACKWARD_TMA = True
+BACKWARD_TMA_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 def _dense_2d(t: torch.Tensor):
@@ -446,12 +439,11 @@ def _dense_2d(t: torch.Tensor):
     return None
 
 
-def _backward_tma(gemm: str, rows: tuple, either_way: tuple = ()) -> bool:
-    """Whether backward GEMM ``gemm`` ("grad_input" / "grad_weight") takes its Hopper TMA kernel: named in
-    BACKWARD_TMA, and ``hopper_tma`` of the ``rows`` operands (dy, the slopes, x, dx) as laid out and of the
-    ``either_way`` ones (a weight, a dW) with a unit stride on either dim."""
+def _backward_tma(rows: tuple, either_way: tuple = ()) -> bool:
+    """Whether dW takes the Hopper TMA kernel (BACKWARD_TMA): ``hopper_tma`` of the ``rows`` operands (dy, the
+    slope, x) as laid out and of the ``either_way`` ones (dW) with a unit stride on either dim."""
     views = [_dense_2d(t) for t in either_way]
-    return gemm in BACKWARD_TMA and all(v is not None for v in views) and hopper_tma(*rows, *views)
+    return BACKWARD_TMA and all(v is not None for v in views) and hopper_tma(*rows, *views)
 
 
 def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path):
@@ -472,23 +464,13 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dx2d = dx.view(M, K)
         wu = w_up if gated else w
-        if _backward_tma("grad_input", (dy2d, s2d, su2d, dx2d), (w, wu)) and (w.stride(1) == 1) == (wu.stride(1) == 1):
-            w_kn = w.stride(1) != 1  # W as GPT-2 Conv1D's transposed view: W^T [K, N], unit row stride
-            cfg = BACKWARD_TMA_TILES["grad_input"]
-            launch_persistent(grad_input_tma_kernel, cdiv(M, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_N"]), (
-                dy2d, s2d, su2d, w, wu, dx2d, M, N, K, dy2d.stride(0), s2d.stride(0), su2d.stride(0),
-                w.stride(1) if w_kn else w.stride(0), wu.stride(1) if w_kn else wu.stride(0), dx2d.stride(0)),
-                dict(HAS_SLOPE=slope is not None, GATED=gated, W_KN=w_kn, **cfg), x.device)
-            launches.record("linear_backward", path, "grad input (TMA), g = dy * slope in its loads",
-                            lambda: tuning.describe(cfg))
-        else:
-            args = (dy2d, s2d, su2d, w, wu, dx2d, M, N, K, sizes.m_bucket(M),
-                    dy2d.stride(0), dy2d.stride(1), s2d.stride(0), s2d.stride(1),
-                    w.stride(0), w.stride(1), wu.stride(0), wu.stride(1), dx2d.stride(0), dx2d.stride(1))
-            cfg = _launch_backward(grad_input_kernel, grad_input_tuned, args, dict(flags, GATED=gated), interpret,
-                                   lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),))
-            launches.record("linear_backward", path, "grad input, g = dy * slope in its loads",
-                            lambda: tuning.describe(cfg))
+        args = (dy2d, s2d, su2d, w, wu, dx2d, M, N, K, sizes.m_bucket(M),
+                dy2d.stride(0), dy2d.stride(1), s2d.stride(0), s2d.stride(1),
+                w.stride(0), w.stride(1), wu.stride(0), wu.stride(1), dx2d.stride(0), dx2d.stride(1))
+        cfg = _launch_backward(grad_input_kernel, grad_input_tuned, args, dict(flags, GATED=gated), interpret,
+                               lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),))
+        launches.record("linear_backward", path, "grad input, g = dy * slope in its loads",
+                        lambda: tuning.describe(cfg))
     dws, dbs = [none(), none()], [none(), none()]
     # Without an activation g is dy itself, already in HBM: db is its column sum, one read of dy (eager's
     # own db). The dW kernel sums db only from a g it makes (dy * slope): a loaded dy tile feeding both the
@@ -506,9 +488,9 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
             db = dw
             if fused_db:
                 db = dbs[i] = torch.empty(N, dtype=x.dtype, device=x.device)
-            if x2d is not None and _backward_tma("grad_weight", (dy2d, sb, x2d), (dw,)):
+            if x2d is not None and _backward_tma((dy2d, sb, x2d), (dw,)):
                 dw_kn = dw.stride(1) != 1  # dW in its weight's Conv1D layout: dW^T [K, N], unit row stride
-                cfg = BACKWARD_TMA_TILES["grad_weight"]
+                cfg = BACKWARD_TMA_TILE
                 launch_persistent(grad_weight_tma_kernel, cdiv(K, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), (
                     dy2d, sb, x2d, dw, db, M, N, K, dy2d.stride(0), sb.stride(0), x2d.stride(0),
                     dw.stride(1) if dw_kn else dw.stride(0)),
