@@ -224,7 +224,8 @@ def _attention_backward(ctx, dout, dlse):
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * (ctx.n_inputs - 3)
 
 
-_attention_op.register_autograd(_attention_backward, setup_context=_setup_attention)
+_attention_call = _dispatch.register_autograd(_attention_op, _attention_impl, _attention_backward,
+                                             _setup_attention)
 
 
 def _check_trainable(name, q, heads, mask=None):
@@ -245,11 +246,11 @@ def _run(q, k, v, mask, scale, bottom_right, left, right, return_lse, name, soft
     modifiers = (softcap, alibi, None, None, 0, 0, out_bnhd)
     if grad_needed(q, k, v):
         _check_trainable(name, q, q.shape[0] * q.shape[1], mask)
-        return _attention_op(*args, True, *modifiers)
+        return _attention_call(*args, True, *modifiers)
     _check_trainable(name, q, 0, mask)
     if _dispatch.direct(q, k, v, mask, alibi):
         return _attention_impl(*args, return_lse, *modifiers)
-    return _attention_op(*args, return_lse, *modifiers)
+    return _attention_call(*args, return_lse, *modifiers)
 
 
 def _user_lse(lse, alibi, n_k, pos_offset, cu_seqlens_q=None, cu_seqlens_k=None):
@@ -599,11 +600,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     args = (q4, k4, v4, None, scale, True, left, right)
     varlen = (softcap, alibi, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
     if grad_needed(q, k, v):
-        out, lse = _attention_op(*args, True, *varlen)
+        out, lse = _attention_call(*args, True, *varlen)
     elif _dispatch.direct(q4, k4, v4, alibi, cu_seqlens_q, cu_seqlens_k):
         out, lse = _attention_impl(*args, return_lse, *varlen)
     else:
-        out, lse = _attention_op(*args, return_lse, *varlen)
+        out, lse = _attention_call(*args, return_lse, *varlen)
     out = out[0].permute(1, 0, 2)  # [total_q, Hq, d], contiguous: the kernel wrote the packed layout
     return (out, _user_lse(lse, alibi, 0, 0, cu_seqlens_q, cu_seqlens_k)[0]) if return_lse else out
 

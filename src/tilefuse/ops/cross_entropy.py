@@ -124,7 +124,7 @@ def _backward(ctx, dloss, dlse):
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None, None, None)
 
 
-_lce_op.register_autograd(_backward, setup_context=_setup)
+_lce_call = _dispatch.register_autograd(_lce_op, _rows_impl, _backward, _setup)
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
@@ -185,7 +185,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     if _dispatch.direct(x2d, weight, bias, t1d):
         rows, lse = _rows_impl(*args)
     else:
-        rows, lse = _lce_op(*args)
+        rows, lse = _lce_call(*args)
     if reduction == "none":
         loss = rows.view(target.shape)
     elif reduction == "sum":

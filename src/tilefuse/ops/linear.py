@@ -239,7 +239,7 @@ def _linear_backward(ctx, dy, dslope):
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None)
 
 
-_linear_op.register_autograd(_linear_backward, setup_context=_setup_linear)
+_linear_call = _dispatch.register_autograd(_linear_op, _linear_impl, _linear_backward, _setup_linear)
 _dispatch.register_autocast(_linear_op, (0, 1, 2))  # x, weight, bias: as torch's linear
 
 
@@ -269,7 +269,7 @@ def _gated_backward(ctx, dy, ds_gate, ds_up):
             dbg if ctx.has_bias[0] and needs[3] else None, dbu if ctx.has_bias[1] and needs[4] else None, None, None)
 
 
-_gated_linear_op.register_autograd(_gated_backward, setup_context=_setup_gated)
+_gated_linear_call = _dispatch.register_autograd(_gated_linear_op, _gated_linear_impl, _gated_backward, _setup_gated)
 _dispatch.register_autocast(_gated_linear_op, (0, 1, 2, 3, 4))
 
 
@@ -314,7 +314,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
         if _dispatch.direct(x, w_gate, w_up, b_gate, b_up):
             return _gated_linear_impl(x, w_gate, w_up, b_gate, b_up, activation, False)[0]
         save_slope = grad_needed(x, w_gate, w_up, b_gate, b_up)
-        return _gated_linear_op(x, w_gate, w_up, b_gate, b_up, activation, save_slope)[0]
+        return _gated_linear_call(x, w_gate, w_up, b_gate, b_up, activation, save_slope)[0]
     if isinstance(weight, (tuple, list)):
         raise ValueError(f"a pair of weights needs a gated activation {GATED_ACTIVATIONS}, "
                          f"got activation={activation!r}")
@@ -326,4 +326,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
     if _dispatch.direct(x, weight, bias):
         return _linear_impl(x, weight, bias, activation, False)[0]
     save_slope = activation is not None and grad_needed(x, weight, bias)
-    return _linear_op(x, weight, bias, activation, save_slope)[0]
+    return _linear_call(x, weight, bias, activation, save_slope)[0]

@@ -222,10 +222,13 @@ def _norm_backward(ctx, dy, dh, dstats):
     return (*grads, None, None)
 
 
-_layer_norm_op.register_autograd(_norm_backward, setup_context=lambda ctx, inputs, output: _setup_norm(
-    ctx, inputs, output, False))
-_rms_norm_op.register_autograd(_norm_backward, setup_context=lambda ctx, inputs, output: _setup_norm(
-    ctx, inputs, output, True))
+_layer_norm_call = _dispatch.register_autograd(
+    _layer_norm_op, lambda x, residual, weight, bias, shape, eps: _norm_impl(x, residual, weight, bias, tuple(shape),
+                                                                            eps, False),
+    _norm_backward, lambda ctx, inputs, output: _setup_norm(ctx, inputs, output, False))
+_rms_norm_call = _dispatch.register_autograd(
+    _rms_norm_op, lambda x, residual, weight, shape, eps: _norm_impl(x, residual, weight, None, tuple(shape), eps, True),
+    _norm_backward, lambda ctx, inputs, output: _setup_norm(ctx, inputs, output, True))
 
 
 def _probe_layer_norm(t):
@@ -254,9 +257,9 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, is_rms):
     if _dispatch.direct(x, residual, weight, bias):
         y, h, _ = _norm_impl(x, residual, weight, bias, shape, eps, is_rms)
     elif is_rms:
-        y, h, _ = _rms_norm_op(x, residual, weight, list(shape), eps)
+        y, h, _ = _rms_norm_call(x, residual, weight, list(shape), eps)
     else:
-        y, h, _ = _layer_norm_op(x, residual, weight, bias, list(shape), eps)
+        y, h, _ = _layer_norm_call(x, residual, weight, bias, list(shape), eps)
     return (y, h) if residual is not None else y
 
 
@@ -403,7 +406,8 @@ def _norm_linear_backward(ctx, dy, dslope):
             None, None, None, None)
 
 
-_layer_norm_linear_op.register_autograd(_norm_linear_backward, setup_context=_setup_norm_linear)
+_layer_norm_linear_call = _dispatch.register_autograd(_layer_norm_linear_op, _layer_norm_linear_impl,
+                                                     _norm_linear_backward, _setup_norm_linear)
 _dispatch.register_autocast(_layer_norm_linear_op, (0, 3, 4))  # x, weight, bias; norm parameters as they are
 
 
@@ -437,4 +441,4 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
     if _dispatch.direct(x, norm_weight, norm_bias, weight, bias):
         return _layer_norm_linear_impl(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, False)[0]
     save_slope = activation is not None and grad_needed(x, norm_weight, norm_bias, weight, bias)
-    return _layer_norm_linear_op(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_slope)[0]
+    return _layer_norm_linear_call(x, norm_weight, norm_bias, weight, bias, eps, norm, activation, save_slope)[0]

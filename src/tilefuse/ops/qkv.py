@@ -143,7 +143,7 @@ def _backward(ctx, dq, dk, dv):
     return (dx, *grads_w, *grads_b, None, None, None, None, None, grads_n[0], grads_n[1], None, None)
 
 
-_qkv_op.register_autograd(_backward, setup_context=_setup)
+_qkv_call = _dispatch.register_autograd(_qkv_op, _impl, _backward, _setup)
 
 
 def _three(name, value, sizes):
@@ -239,4 +239,4 @@ def qkv_projection(x: torch.Tensor, weight, bias=None, *, num_heads: int, num_kv
             eps, layout)
     if _dispatch.direct(x, wq, wk, wv, bq, bk, bv, cos, sin, q_norm, k_norm):
         return _impl(*args)
-    return _qkv_op(*args)
+    return _qkv_call(*args)

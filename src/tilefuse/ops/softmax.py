@@ -92,7 +92,7 @@ def _backward(ctx, dy):
     return _softmax_backward_op(y, dy, ctx.dim), None, None
 
 
-_softmax_op.register_autograd(_backward, setup_context=_setup)
+_softmax_call = _dispatch.register_autograd(_softmax_op, _softmax_impl, _backward, _setup)
 
 
 def _probe_softmax(t):
@@ -126,5 +126,5 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
     if _dispatch.direct(x1):
         y = _softmax_impl(x1, dim, algorithm)
     else:
-        y = _softmax_op(x1, dim, algorithm)
+        y = _softmax_call(x1, dim, algorithm)
     return y.reshape(()) if x.dim() == 0 else y
