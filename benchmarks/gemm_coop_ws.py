@@ -1,373 +1,43 @@
-"""Lab for the GEMM-engine work: one cooperative, warp-specialized Gluon GEMM with a pluggable prologue and
-epilogue, as the forward Linear (+ bias + activation) and as the linear backward's two GEMMs. Not dispatched:
-nothing in src/ imports this file. tests/tools/compiler.py's gemm_coop_ws_compile_job compiles it for sm_90a.
-
-C[Mc, Nc] = act(op(A) @ B + bias), op(A) = A [Mc, R], A^T (TRANS_A: A stored [R, Mc]), or either times a slope S
-made on the fly (HAS_SLOPE); B [R, Nc], or B^T stored [Nc, R] (B_KMAJOR); db = row sums of op(A) (HAS_DB):
-- forward:  y[M, N] = act(x[M, K] @ W^T + b)             (A = x, B_KMAJOR: W as nn.Linear keeps it)
-- gated:    y = glu(x @ W_gate^T + b_gate, x @ W_up^T + b_up)   (GATED: both weight tiles per K step, two
-            accumulators per consumer, the SwiGLU/GeGLU epilogue: the gate and up products never reach HBM)
-- dx[M, K] = g[M, N] @ W[N, K], g = dy * s               (HAS_SLOPE; s the activation's slope, saved by the forward)
-- dW[N, K] = g^T[N, M] @ x[M, K], db[N] = sum_m g        (HAS_SLOPE, TRANS_A, HAS_DB)
-
-What limits the tl kernels (NOTES, 2026-12-01 midnight: the backward's dx at 0.65x and dW at 0.41x cuBLAS on a
-precomputed g): the multiply sits in the same instruction stream as the loads and the MMAs, so they serialise.
-Here one producer warp keeps a ring of TMA boxes (A, S and B per K step) full across the CTA's persistent tile
-loop, and two consumer warpgroups share each 128-row output tile (64 rows each, cooperative: the ping-pong
-schedule lost in the forward, NOTES 2026-11-29). Without a slope A goes from shared memory to the wgmma with one
-in flight. With one, each consumer loads its halves of A and S into wgmma's register operand layout (transposed
-by the load for dW), multiplies, and runs the wgmma while the other consumer's loads and multiply run (or, G_SMEM,
-stores g to shared memory and keeps one wgmma in flight). The bias is the accumulator's initial value; the
-epilogue (the activation) stores each consumer's
-64 x BLOCK_N half through its own staging buffer; its TMA store drains under the next tile's main loop.
+"""Study script for the cooperative warp-specialized Gluon GEMM (src/tilefuse/kernels/gemm/coop.py: the kernel,
+its configs and host entries live there; this file only compiles and times them). The launch layer
+(kernels/gemm/launch.py: ``coop_backward``, ``coop_gated``) takes it for the linear backward's dx and dW and the
+gated forward where it measured faster; these commands compare every config of ``coop.CONFIGS`` with what the
+launch runs otherwise.
 
     PYTHONPATH=src python benchmarks/gemm_coop_ws.py compile   # sm_90a facts (any machine)
-    PYTHONPATH=src python benchmarks/gemm_coop_ws.py bench     # H200: the backward GEMMs beside the launch and cuBLAS
+    PYTHONPATH=src python benchmarks/gemm_coop_ws.py bench     # H200: the backward GEMMs beside the launch's
+                                                               # other kernels and cuBLAS
     PYTHONPATH=src python benchmarks/gemm_coop_ws.py forward   # H200: Linear+GELU beside tilefuse.linear and cuBLASLt,
                                                                # then SwiGLU beside tilefuse's gated kernel and eager
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
 
-from tilefuse.kernels.activations import apply_activation, apply_gated
-from tilefuse.kernels.gluon_host import host_descriptor
-from tilefuse.sizes import cdiv
-
-from tilefuse.kernels.tiling import grouped_tile
-
-HALF_ROWS = 64  # rows per consumer warpgroup: an output tile is 2 * HALF_ROWS rows
-HALF_M = gl.constexpr(HALF_ROWS)  # the same, for the kernels
-CONSUMER_REGS = gl.constexpr(240)
-PRODUCER_REGS = gl.constexpr(24)
-LAUNCH_MAXNREG = 168  # 3 warpgroups at 168 = 2 * 240 + 24
-# Ring: per K step 2 x (dy, s) boxes [64, BLOCK_K] and one B box [BLOCK_K, BLOCK_N].
-CONFIGS = {
-    "128x128x64_s4": dict(BLOCK_N=128, BLOCK_K=64, STAGES=4, GROUP_M=8),   # 4 x 48 KB + 2 x 16 KB staging
-    "128x256x64_s2": dict(BLOCK_N=256, BLOCK_K=64, STAGES=2, GROUP_M=8),   # 2 x 64 KB + 2 x 32 KB staging
-    "128x128x64_s3": dict(BLOCK_N=128, BLOCK_K=64, STAGES=3, GROUP_M=8),
-    "128x256x32_s4": dict(BLOCK_N=256, BLOCK_K=32, STAGES=4, GROUP_M=8),   # 4 x 32 KB + 2 x 32 KB staging
-    # g through shared memory (G_SMEM): + 2 x 2 g buffers [64, BLOCK_K], one wgmma kept in flight
-    "smem_g_128x128x64_s3": dict(BLOCK_N=128, BLOCK_K=64, STAGES=3, GROUP_M=8, G_SMEM=True),
-    "smem_g_128x256x32_s3": dict(BLOCK_N=256, BLOCK_K=32, STAGES=3, GROUP_M=8, G_SMEM=True),
-    # Without a slope (the forward) the ring holds no S boxes: 3 x 48 KB + 2 x 32 KB staging
-    "fwd_128x256x64_s3": dict(BLOCK_N=256, BLOCK_K=64, STAGES=3, GROUP_M=8, FORWARD_ONLY=True),
-}
-DEFAULT = "128x128x64_s4"
+from tilefuse.kernels.gemm.coop import CONFIGS, gated_configs, gated_linear, grad_input, grad_weight, linear
 
 
-def gated_configs() -> list:
-    """The configs the gated forward takes: two [64, BLOCK_N] fp32 accumulators fit a consumer's registers at
-    BLOCK_N 128 only."""
-    return [n for n, c in CONFIGS.items() if c["BLOCK_N"] == 128 and not c.get("G_SMEM")]
+@contextlib.contextmanager
+def coop_off():
+    """The launch's own choice without the cooperative kernel (its COOP_* switches off, no captured plans)."""
+    from tilefuse.kernels import fastpath
+    from tilefuse.kernels.gemm import launch
+
+    saved = launch.COOP_BACKWARD, launch.COOP_GATED
+    launch.COOP_BACKWARD = launch.COOP_GATED = False
+    fastpath.clear_all()
+    try:
+        yield
+    finally:
+        launch.COOP_BACKWARD, launch.COOP_GATED = saved
+        fastpath.clear_all()
 
 
-@gluon.jit
-def _counts(a_desc, c_desc, sizes, TRANS_A: gl.constexpr):
-    """Output tiles along Mc and Nc, and K steps over R (the tile from the A and C boxes)."""
-    Mc, Nc, R = sizes
-    return (gl.cdiv(Mc, 2 * c_desc.block_type.shape[0]), gl.cdiv(Nc, c_desc.block_type.shape[1]),
-            gl.cdiv(R, a_desc.block_type.shape[0 if TRANS_A else 1]))
-
-
-@gluon.jit
-def _producer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr,
-              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
-              G_SMEM: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
-    """One warp: every K step of every output tile of this CTA, in order, through the ring."""
-    a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
-    a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs, g_bufs = bufs
-    ready, empty = bars
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0 if TRANS_A else 1]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    step_bytes: gl.constexpr = ((4 if HAS_SLOPE else 2) * a_desc.block_type.nbytes
-                                + (2 if GATED else 1) * b_desc.block_type.nbytes)
-    num_pid_m, num_pid_n, k_steps = _counts(a_desc, c_desc, sizes, TRANS_A)
-    step = 0
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        for kk in range(k_steps):
-            slot = step % STAGES
-            # Empty barriers start out complete for phase 1: nothing to wait for on the first lap.
-            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), step_bytes)
-            for half in gl.static_range(2):
-                row = pid_m * (2 * HALF_M) + half * HALF_M
-                if TRANS_A:  # A^T's rows are A's columns: boxes [BLOCK_K (r), HALF_M (rows of C)]
-                    coord = [kk * BLOCK_K, row]
-                else:
-                    coord = [row, kk * BLOCK_K]
-                tma.async_copy_global_to_shared(a_desc, coord, ready.index(slot), a_bufs.index(2 * slot + half))
-                if HAS_SLOPE:
-                    tma.async_copy_global_to_shared(s_desc, coord, ready.index(slot), s_bufs.index(2 * slot + half))
-            if B_KMAJOR:  # B^T stored [Nc, R] (nn.Linear's weight for the forward)
-                b_coord = [pid_n * BLOCK_N, kk * BLOCK_K]
-            else:
-                b_coord = [kk * BLOCK_K, pid_n * BLOCK_N]
-            tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(slot), b_bufs.index(slot))
-            if GATED:  # the up projection's weight tile beside the gate's
-                tma.async_copy_global_to_shared(bu_desc, b_coord, ready.index(slot), bu_bufs.index(slot))
-            step += 1
-
-
-@gluon.jit
-def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr,
-              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
-              G_SMEM: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
-    """Consumer WHICH: rows [WHICH * 64, WHICH * 64 + 64) of every output tile of this CTA."""
-    a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
-    a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs, g_bufs = bufs
-    ready, empty = bars
-    Mc, Nc, R = sizes
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    dtype: gl.constexpr = a_desc.dtype
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, a_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    num_pid_m, num_pid_n, k_steps = _counts(a_desc, c_desc, sizes, TRANS_A)
-    c_buf = c_bufs.index(WHICH)
-    step = 0
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
-        if GATED:
-            acc_up = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
-        else:
-            acc_up = acc  # unused
-        if HAS_BIAS:
-            # The bias is the accumulator's initial value: its row vector (BLOCK_N / 4 registers a thread) is
-            # dead before the main loop, where in the epilogue it spilled beside the activation at BLOCK_N 256.
-            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-            acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < Nc, other=0.0).to(gl.float32)[None, :]
-            if GATED:
-                acc_up = acc_up + gl.load(bias_up_ptr + offs_n, mask=offs_n < Nc, other=0.0).to(gl.float32)[None, :]
-        db_acc = gl.zeros([HALF_M], gl.float32, row_layout)
-        for kk in range(k_steps):
-            slot = step % STAGES
-            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            a_view = a_bufs.index(2 * slot + WHICH)
-            if TRANS_A:
-                a_view = a_view.permute((1, 0))
-            b_view = b_bufs.index(slot)
-            if B_KMAJOR:
-                b_view = b_view.permute((1, 0))
-            if HAS_SLOPE:
-                s_view = s_bufs.index(2 * slot + WHICH)
-                if TRANS_A:
-                    s_view = s_view.permute((1, 0))
-                # In the operand dtype: the product of two 16-bit floats is exact in fp32, so one rounding
-                # either way, the same bits as eager's g tensor.
-                g = a_view.load(a_layout) * s_view.load(a_layout)
-                if HAS_DB:
-                    db_acc += gl.sum(g.to(gl.float32), axis=1)
-                if G_SMEM:
-                    # g to this consumer's shared buffer (two, alternating), both operands from shared memory:
-                    # one wgmma stays in flight, and step k-1's ring slot goes back when it is done.
-                    g_buf = g_bufs.index(2 * WHICH + step % 2)
-                    g_buf.store(g)
-                    fence_async_shared()
-                    acc = warpgroup_mma(g_buf, b_view, acc, is_async=True)
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))
-                    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-                else:
-                    # Waited at once: with a register operand in flight across the loop ptxas serialises the
-                    # wgmmas ("insufficient register resources", sm_90a). The other consumer's MMA runs under
-                    # this one's loads and multiply instead.
-                    acc = warpgroup_mma(g, b_view, acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc, ))
-                    mbarrier.arrive(empty.index(slot), count=1)
-            elif GATED:  # gate and up from the same A tile: this step's two wgmmas in flight
-                bu_view = bu_bufs.index(slot)
-                if B_KMAJOR:
-                    bu_view = bu_view.permute((1, 0))
-                acc = warpgroup_mma(a_view, b_view, acc, is_async=True)
-                acc_up = warpgroup_mma(a_view, bu_view, acc_up, is_async=True)
-                acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-            else:  # A as TMA delivered it: one wgmma in flight, step k-1's slot released
-                acc = warpgroup_mma(a_view, b_view, acc, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc, ))
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-            step += 1
-        if G_SMEM or not HAS_SLOPE:  # the tile's last step
-            if GATED:
-                acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
-            else:
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-        row0 = pid_m * (2 * HALF_M) + WHICH * HALF_M
-        if HAS_DB:
-            if pid_n == 0:  # the first column band of tiles stores db
-                offs = row0 + gl.arange(0, HALF_M, layout=row_layout)
-                gl.store(db_ptr + offs, db_acc.to(dtype), mask=offs < Mc)
-        if GATED:
-            out = apply_gated(acc, acc_up, ACTIVATION).to(dtype)
-        else:
-            out = apply_activation(acc, ACTIVATION).to(dtype)
-        # The previous tile's store has had this tile's whole main loop to leave the staging buffer.
-        tma.store_wait(0)
-        c_buf.store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [row0, pid_n * BLOCK_N], c_buf)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def gemm_coop_ws_kernel(a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr, Mc, Nc, R,
-                        TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr, G_SMEM: gl.constexpr,
-                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
-    """C[Mc, Nc] = act(op(A) @ B + bias): op(A) = A, A^T (TRANS_A), or either times a slope S (HAS_SLOPE);
-    B [R, Nc], or B^T stored [Nc, R] (B_KMAJOR); db = row sums of op(A) (HAS_DB). GATED (without a slope):
-    C = glu(op(A) @ B + bias, op(A) @ B_up + bias_up), the gated activation of the two products."""
-    dtype: gl.constexpr = a_desc.dtype
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0 if TRANS_A else 1]
-    a_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    # Buffers a form does not use alias ones it does (never indexed there): no shared memory for them.
-    if HAS_SLOPE:
-        s_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + s_desc.block_type.shape, s_desc.layout)
-    else:
-        s_bufs = a_bufs
-    if GATED:
-        bu_bufs = gl.allocate_shared_memory(dtype, [STAGES] + bu_desc.block_type.shape, bu_desc.layout)
-    else:
-        bu_bufs = b_bufs
-    c_bufs = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-    if G_SMEM:
-        g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], dtype)
-        g_bufs = gl.allocate_shared_memory(dtype, [4, HALF_M, BLOCK_K], g_layout)
-    else:
-        g_bufs = a_bufs
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release each K step
-    descs = (a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr)
-    bufs = (a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs, g_bufs)
-    bars = (ready, empty)
-    sizes = (Mc, Nc, R)
-    # Constexprs go as separate arguments (inside a tuple they would become runtime values).
-    gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB, G_SMEM,
-                     GROUP_M, NUM_SMS, 0)),
-        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB, G_SMEM,
-                     GROUP_M, NUM_SMS, 1)),
-        (_producer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB, G_SMEM,
-                     GROUP_M, NUM_SMS, 0)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-# ---- host side ------------------------------------------------------------------------------------
-_NUM_SMS = {}
-
-
-def _num_sms(device) -> int:
-    if device not in _NUM_SMS:
-        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _NUM_SMS[device]
-
-
-def _boxes(trans_a: bool, b_kmajor: bool, cfg: dict):
-    """Block shapes of the A (and S), B and C descriptors."""
-    bk, bn = cfg["BLOCK_K"], cfg["BLOCK_N"]
-    return (((bk, HALF_ROWS) if trans_a else (HALF_ROWS, bk)), ((bn, bk) if b_kmajor else (bk, bn)),
-            (HALF_ROWS, bn))
-
-
-def _flags(trans_a, slope, b_kmajor, bias, activation, db, cfg, num_sms, gated=False):
-    return dict(TRANS_A=trans_a, HAS_SLOPE=slope, B_KMAJOR=b_kmajor, HAS_BIAS=bias, ACTIVATION=activation or "none",
-                GATED=gated, HAS_DB=db, G_SMEM=cfg.get("G_SMEM", False) and slope, STAGES=cfg["STAGES"],
-                GROUP_M=cfg["GROUP_M"], NUM_SMS=num_sms)
-
-
-def _launch(a, s, b, c, *, trans_a=False, b_kmajor=False, bias=None, activation=None, db=None, b_up=None,
-            bias_up=None, config=DEFAULT):
-    """C = act(op(A) @ B + bias) for 16-bit dense-row operands (``gemm_coop_ws_kernel``); ``s`` None or the slope;
-    ``b_up`` (with ``bias_up``) the up projection of a gated activation."""
-    cfg = CONFIGS[config]
-    Mc, Nc = c.shape
-    R = a.shape[0] if trans_a else a.shape[1]
-    a_box, b_box, c_box = _boxes(trans_a, b_kmajor, cfg)
-    num_sms = _num_sms(c.device)
-    tiles = cdiv(Mc, 2 * HALF_ROWS) * cdiv(Nc, cfg["BLOCK_N"])
-    a_d, b_d = host_descriptor(a, a_box), host_descriptor(b, b_box)
-    gemm_coop_ws_kernel[(min(num_sms, tiles),)](
-        a_d, host_descriptor(s, a_box) if s is not None else a_d, b_d,
-        host_descriptor(b_up, b_box) if b_up is not None else b_d, host_descriptor(c, c_box),
-        bias if bias is not None else c, bias_up if bias_up is not None else c, db if db is not None else c, Mc, Nc, R,
-        **_flags(trans_a, s is not None, b_kmajor, bias is not None, activation, db is not None, cfg, num_sms,
-                 gated=b_up is not None),
-        num_warps=4, maxnreg=LAUNCH_MAXNREG)
-
-
-def linear(x, w, b=None, activation=None, config: str = DEFAULT):
-    """The forward: act(x @ w^T + b), x [M, K], w [N, K] (nn.Linear's layout, read as K-major B tiles)."""
-    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    _launch(x, None, w, y, b_kmajor=True, bias=b, activation=activation, config=config)
-    return y
-
-
-def gated_linear(x, w_gate, w_up, b_gate=None, b_up=None, activation="swiglu", config: str = DEFAULT):
-    """The gated forward: glu(x @ w_gate^T + b_gate, x @ w_up^T + b_up), "swiglu" | "geglu" | "geglu_tanh"."""
-    y = torch.empty(x.shape[0], w_gate.shape[0], dtype=x.dtype, device=x.device)
-    _launch(x, None, w_gate, y, b_kmajor=True, bias=b_gate, activation=activation, b_up=w_up, bias_up=b_up,
-            config=config)
-    return y
-
-
-def grad_input(dy, s, w, config: str = DEFAULT):
-    """dx = (dy * s) @ w: dy, s [M, N], w [N, K] (bf16/fp16, dense rows)."""
-    dx = torch.empty(dy.shape[0], w.shape[1], dtype=dy.dtype, device=dy.device)
-    _launch(dy, s, w, dx, config=config)
-    return dx
-
-
-def grad_weight(dy, s, x, config: str = DEFAULT):
-    """(dW, db): dW = (dy * s)^T @ x [N, K], db = column sums of dy * s [N]."""
-    dw = torch.empty(dy.shape[1], x.shape[1], dtype=dy.dtype, device=dy.device)
-    db = torch.empty(dy.shape[1], dtype=dy.dtype, device=dy.device)
-    _launch(dy, s, x, dw, trans_a=True, db=db, config=config)
-    return dw, db
-
-
-def compile_job(gemm: str = "dx", config: str = DEFAULT, activation: str = "gelu", dtype: str = "bfloat16",
-                num_sms: int = 132):
-    """(kernel, signature, constexprs, options) as ``linear`` ("forward"), ``gated_linear`` ("gated"), ``grad_input``
-    ("dx") or ``grad_weight`` ("dW") launch it, for tests/tools/compiler.py."""
-    from triton.runtime.jit import mangle_type
-
-    cfg = CONFIGS[config]
-    trans_a, slope, b_kmajor = {"forward": (False, False, True), "gated": (False, False, True),
-                                "dx": (False, True, False), "dW": (True, True, False)}[gemm]
-    t = torch.empty(256, 256, dtype=getattr(torch, dtype))
-    a_box, b_box, c_box = _boxes(trans_a, b_kmajor, cfg)
-    a_sig = mangle_type(host_descriptor(t, a_box))
-    b_sig = mangle_type(host_descriptor(t, b_box))
-    signature = dict(a_desc=a_sig, s_desc=a_sig, b_desc=b_sig, bu_desc=b_sig, c_desc=mangle_type(host_descriptor(t, c_box)),
-                     bias_ptr=mangle_type(t), bias_up_ptr=mangle_type(t), db_ptr=mangle_type(t),
-                     Mc="i32", Nc="i32", R="i32")
-    forward = gemm in ("forward", "gated")
-    if gemm == "gated" and activation not in ("swiglu", "geglu", "geglu_tanh"):
-        activation = "swiglu"
-    constexprs = _flags(trans_a, slope, b_kmajor, forward, activation if forward else None, gemm == "dW", cfg, num_sms,
-                        gated=gemm == "gated")
-    return gemm_coop_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
-
-
-# ---- lab commands ------------------------------------------------------------------------------------
+# ---- commands ----------------------------------------------------------------------------------------
 BENCH_SHAPES = [(8192, 4096, 16384), (2048, 4096, 11008), (8192, 1024, 4096), (16384, 768, 3072), (512, 4096, 4096),
                 (1000, 520, 1288)]  # the five linear_train shapes (M, K, N), then one with tails on every tile
 
@@ -390,8 +60,10 @@ def compile_facts():
 
 
 def bench_forward():
-    """Linear + bias + GELU (erf) on the five foundation shapes: the lab kernel at each config beside tilefuse.linear
-    (its TMA kernel), cuBLASLt's GELU epilogue (torch._addmm_activation) and the bare cuBLAS GEMM."""
+    """Linear + bias + GELU (erf) on the five foundation shapes: the cooperative kernel at each config beside
+    tilefuse.linear (its TMA kernel), cuBLASLt's GELU epilogue (torch._addmm_activation) and the bare cuBLAS GEMM;
+    then SwiGLU at the gated_linear bench shapes beside tilefuse's gated TMA kernel (``tilefuse_ms``, the
+    cooperative kernel switched off), what the launch picks (``tilefuse_dispatch_ms``) and eager."""
     from triton.testing import do_bench
 
     import tilefuse
@@ -424,8 +96,10 @@ def bench_forward():
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
         wg, wu = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * K ** -0.5 for _ in range(2))
         ref = torch.nn.functional.silu(x.double() @ wg.double().t()) * (x.double() @ wu.double().t())
-        row = {"shape": [M, K, N], "activation": "swiglu",
-               "tilefuse_ms": do_bench(lambda: tilefuse.linear(x, (wg, wu), None, "swiglu")),
+        with coop_off():
+            tma_ms = do_bench(lambda: tilefuse.linear(x, (wg, wu), None, "swiglu"))
+        row = {"shape": [M, K, N], "activation": "swiglu", "tilefuse_ms": tma_ms,
+               "tilefuse_dispatch_ms": do_bench(lambda: tilefuse.linear(x, (wg, wu), None, "swiglu")),
                "eager_ms": do_bench(lambda: torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())),
                "cublas_two_gemms_ms": do_bench(lambda: (torch.mm(x, wg.t()), torch.mm(x, wu.t())))}
         for name in gated_configs():
@@ -439,6 +113,9 @@ def bench_forward():
 
 
 def bench():
+    """The backward GEMMs on BENCH_SHAPES: dx and dW + db of the cooperative kernel at each config beside the
+    launch's other kernels (``launch_*``: the cooperative kernel switched off), what the launch picks
+    (``dispatch_*``) and cuBLAS on a precomputed g; each with its rel-L2 against float64."""
     from triton.testing import do_bench
 
     from tilefuse.kernels import fastpath
@@ -455,14 +132,20 @@ def bench():
         gg = (dy.float() * s.float()).to(torch.bfloat16)  # g as eager rounds it
         ref_dx, ref_dw, ref_db = gg.double() @ w.double(), gg.double().t() @ x.double(), gg.double().sum(0)
         row = {"shape": [M, K, N]}
+        def dx_call():
+            return launch.linear_backward(dy, x, w, None, s, None, True, False, False, "compiled")
+
+        def dw_db_call():
+            return launch.linear_backward(dy, x, w, None, s, None, False, True, True, "compiled")
+
         fastpath.clear_all()
-        dx_l = launch.linear_backward(dy, x, w, None, s, None, True, False, False, "compiled")[0]
-        _, dw_l, db_l = launch.linear_backward(dy, x, w, None, s, None, False, True, True, "compiled")
-        row["launch_rel_l2_dx_dw_db"] = [rel(dx_l, ref_dx), rel(dw_l, ref_dw), rel(db_l, ref_db)]
-        row["launch_dx_ms"] = do_bench(lambda: launch.linear_backward(dy, x, w, None, s, None, True, False, False,
-                                                                      "compiled"))
-        row["launch_dw_db_ms"] = do_bench(lambda: launch.linear_backward(dy, x, w, None, s, None, False, True, True,
-                                                                         "compiled"))
+        for prefix, switch in (("launch", coop_off), ("dispatch", contextlib.nullcontext)):
+            with switch():
+                dx_l = dx_call()[0]
+                _, dw_l, db_l = dw_db_call()
+                row[f"{prefix}_rel_l2_dx_dw_db"] = [rel(dx_l, ref_dx), rel(dw_l, ref_dw), rel(db_l, ref_db)]
+                row[f"{prefix}_dx_ms"] = do_bench(dx_call)
+                row[f"{prefix}_dw_db_ms"] = do_bench(dw_db_call)
         row["cublas_dx_ms"] = do_bench(lambda: torch.mm(gg, w))
         row["cublas_dw_ms"] = do_bench(lambda: torch.mm(gg.t(), x))
         for name in (n for n, c in CONFIGS.items() if not c.get("FORWARD_ONLY")):

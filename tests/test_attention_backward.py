@@ -279,30 +279,57 @@ def test_alibi_lse_returned_is_the_true_one(device, monkeypatch, path):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(1, 2, 1, 300, 300), (2, 4, 2, 200, 457), (1, 2, 2, 1000, 1000)])
-def test_warp_specialized_backward_passes_match_float64(B, Hq, Hkv, Nq, Nk, causal, d):
-    """The Gluon dK/dV and dQ passes (benchmarks/attention_bwd_ws.py, lab code, not dispatched) at every config of
-    their table, on the forward's own lse and D = rowsum(dO * O): GQA, Nq != Nk (bottom-right causal, rows that see
-    no key), tails in both lengths, several key blocks, against float64 autograd."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import attention_bwd_ws
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(1, 2, 1, 300, 300), (2, 4, 2, 200, 457), (1, 2, 2, 1000, 1000),
+                                            (1, 2, 1, 457, 200)])
+def test_warp_specialized_backward_matches_float64(B, Hq, Hkv, Nq, Nk, causal, d):
+    """tilefuse.attention's backward on the Gluon dK/dV and dQ passes (kernels/attention/ws_backward.py), as the
+    launch picks them for 16-bit, d <= 128, no mask: GQA, Nq != Nk both ways (bottom-right causal, rows that see
+    no key), tails in both lengths, several key blocks, against float64 autograd; the launch record says which
+    passes ran."""
+    from tilefuse.kernels import launches
 
     q = _r(B, Hq, Nq, d, device="cuda")
     k, v = _r(B, Hkv, Nk, d, seed=1, device="cuda"), _r(B, Hkv, Nk, d, seed=2, device="cuda")
     do = _r(B, Hq, Nq, d, seed=3, device="cuda")
-    out, lse = tilefuse.attention(q, k, v, causal=causal, return_lse=True)
-    delta = (do.float() * out.float()).sum(-1).contiguous()
-    want_dq, want_dk, want_dv = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=causal), (q, k, v),
-                                         (do,))
-    for name in attention_bwd_ws.CONFIGS:
-        args = (q, k, v, do, lse.contiguous(), delta)
-        dk, dv = attention_bwd_ws.dkdv(*args, scale=d ** -0.5, causal=causal, config=name)
-        dq = attention_bwd_ws.dq(*args, scale=d ** -0.5, causal=causal, config=name)
-        assert_close(dq, want_dq, BOUND, f"{name} dQ")
-        assert_close(dk, want_dk, BOUND, f"{name} dK")
-        assert_close(dv, want_dv, BOUND, f"{name} dV")
+    leaves = _leaves(q, k, v)
+    out = tilefuse.attention(*leaves, causal=causal)
+    with launches.recording() as recs:
+        out.backward(do)
+    assert [r.kernel for r in recs if r.op == "attention_backward"] == ["ws: rowdot, dk/dv, dq (no atomics)"], recs
+    want = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=causal), (q, k, v), (do,))
+    for got, exp, name in zip(leaves, want, "qkv"):
+        assert_close(got.grad, exp, BOUND, f"ws d{name}")
+
+
+@pytest.mark.gpu_only
+def test_warp_specialized_backward_with_lse_gradient_windows_and_strided_grads():
+    """The Gluon passes beside the rest of the backward's inputs: a loss on out and lse (D - dlse), a right-bounded
+    window, heads-last (BSHD) q/k/v views, an expanded (stride-0) dout from ``out.sum()``, fp16; and a left window,
+    which they do not take, on the portable passes; each against float64."""
+    from tilefuse.kernels import launches
+
+    def run(fn, q, k, v, grads, ref_fn):
+        leaves = _leaves(q, k, v)
+        outs = fn(*leaves)
+        with launches.recording() as recs:
+            torch.autograd.backward(outs if isinstance(outs, tuple) else (outs,), grads)
+        want = _grads64(ref_fn, (q, k, v), grads)
+        for got, exp, name in zip(leaves, want, "qkv"):
+            assert_close(got.grad, exp, REL_L2_BOUND[q.dtype], f"d{name}")
+        return [r.kernel.split(":")[0] for r in recs if r.op == "attention_backward"]
+
+    q, k, v = _r(2, 4, 333, 64, device="cuda"), _r(2, 2, 520, 64, seed=1, device="cuda"), \
+        _r(2, 2, 520, 64, seed=2, device="cuda")
+    do, dl = _r(2, 4, 333, 64, seed=3, device="cuda"), _r(2, 4, 333, seed=4, device="cuda").float()
+    assert run(lambda *t: tilefuse.attention(*t, causal=True, return_lse=True), q, k, v, (do, dl),
+               lambda *t: ref_attention.attention(*t, causal=True, return_lse=True)) == ["ws"]
+    assert run(lambda *t: tilefuse.attention(*t, window=(-1, 37)), q, k, v, (do,),
+               lambda *t: ref_attention.attention(*t, window=(-1, 37))) == ["ws"]
+    assert run(lambda *t: tilefuse.attention(*t, window=(50, 0)), q, k, v, (do,),
+               lambda *t: ref_attention.attention(*t, window=(50, 0))) == ["portable"]
+    x = _r(3, 2, 300, 4, 128, device="cuda").half()  # [3, B, N, H, d]: q, k, v as [B, H, N, d] views
+    qh, kh, vh = (t.transpose(1, 2) for t in x.unbind(0))
+    assert run(lambda *t: tilefuse.attention(*t, causal=True).sum(), qh, kh, vh, (torch.ones((), device="cuda"),),
+               lambda *t: ref_attention.attention(*t, causal=True).sum()) == ["ws"]

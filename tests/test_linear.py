@@ -283,20 +283,19 @@ def test_warp_specialized_gemm_matches_float64(config, activation, bias, dtype, 
                                                    ("silu", True, torch.float16)])
 @pytest.mark.parametrize("M,K,N", [(130, 96, 264), (1000, 2040, 1032), (2048, 1024, 4096)])
 def test_cooperative_gemm_forward_matches_float64(activation, bias, dtype, M, K, N):
-    """The cooperative Gluon GEMM (benchmarks/gemm_coop_ws.py, lab code, not dispatched) as the forward at every
+    """The cooperative Gluon GEMM (tilefuse.kernels.gemm.coop, through its direct entries) as the forward at every
     config of its table that runs without a slope: tails in M, N and K, more tiles than SMs, the bias as the
-    accumulator's initial value."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import gemm_coop_ws
+    accumulator's initial value; and the gated form, which the launch takes for inference at large M."""
+    from tilefuse.kernels.gemm import coop
 
     x = _rand(M, K, device="cuda", dtype=dtype)
     w = _rand(N, K, device="cuda", dtype=dtype, seed=1) * K ** -0.5
     b = _rand(N, device="cuda", dtype=dtype, seed=3) if bias else None
     ref = reference.linear(x.double(), w.double(), b.double() if bias else None,
                            None if activation == "none" else activation)
-    for name, cfg in gemm_coop_ws.CONFIGS.items():
+    for name, cfg in coop.CONFIGS.items():
         if not cfg.get("G_SMEM"):
-            y = gemm_coop_ws.linear(x, w, b, activation, name)
+            y = coop.linear(x, w, b, activation, name)
             assert_close(y, ref, REL_L2_BOUND[dtype], f"coop ws {name} {activation} {M}x{K}x{N}")
     # The gated form (SwiGLU / GeGLU) on the same shapes, the up projection's weight and bias beside the gate's.
     gated = {"gelu": "geglu", "none": "swiglu", "silu": "swiglu"}[activation]
@@ -304,9 +303,42 @@ def test_cooperative_gemm_forward_matches_float64(activation, bias, dtype, M, K,
     bu = _rand(N, device="cuda", dtype=dtype, seed=6) if bias else None
     ref = reference.gated_linear(x.double(), w.double(), wu.double(), b.double() if bias else None,
                                  bu.double() if bias else None, gated)
-    for name in gemm_coop_ws.gated_configs():
-        y = gemm_coop_ws.gated_linear(x, w, wu, b, bu, gated, name)
+    for name in coop.gated_configs():
+        y = coop.gated_linear(x, w, wu, b, bu, gated, name)
         assert_close(y, ref, REL_L2_BOUND[dtype], f"coop ws gated {name} {gated} {M}x{K}x{N}")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("activation,bias,stacked", [("swiglu", True, True), ("geglu", False, False),
+                                                     ("geglu_tanh", True, False)])
+@pytest.mark.parametrize("M,K,N", [(1024, 1024, 2816), (1000, 1032, 2824)])
+def test_gated_inference_runs_the_cooperative_kernel(activation, bias, stacked, M, K, N):
+    """tilefuse.linear with a gated activation under no_grad (no slopes to store) at sizes with an output tile
+    per SM (launch.coop_gated), the second with tails in M, N and K: the launch records the cooperative kernel
+    and y matches float64; the weight as a pair or one [2N, K] tensor (its halves as views), x 3-D. The same call
+    with grad (a training forward: slopes saved) keeps the TMA kernel."""
+    from tilefuse import runtime
+    from tilefuse.kernels import fastpath, launches
+    from tilefuse.kernels.gemm import coop, launch
+
+    dtype = torch.bfloat16
+    assert coop.output_tiles(M, N, launch.COOP_GATED_CONFIG) >= runtime.device_facts(torch.device("cuda"))[1]
+    fastpath.clear_all()
+    x = _rand(2, M // 2, K, device="cuda", dtype=dtype)
+    wg, wu = (_rand(N, K, device="cuda", dtype=dtype, seed=1 + i) * K ** -0.5 for i in range(2))
+    bg, bu = (_rand(N, device="cuda", dtype=dtype, seed=3 + i) for i in range(2)) if bias else (None, None)
+    weight = torch.cat([wg, wu]) if stacked else (wg, wu)
+    b = (torch.cat([bg, bu]) if stacked else (bg, bu)) if bias else None
+    ref = reference.gated_linear(x.double(), wg.double(), wu.double(), bg.double() if bias else None,
+                                 bu.double() if bias else None, activation)
+    with launches.recording() as recs, torch.no_grad():
+        y = tilefuse.linear(x, weight, b, activation)
+    assert [r.kernel for r in recs if r.op == "linear"] == ["cooperative warp-specialized"]
+    assert_close(y, ref, REL_L2_BOUND[dtype], f"coop gated {activation} {M}x{K}x{N}")
+    with launches.recording() as recs:
+        y = tilefuse.linear(x.clone().requires_grad_(), weight, b, activation)
+    assert [r.kernel for r in recs if r.op == "linear"] == ["tma"]
+    assert_close(y.detach(), ref, REL_L2_BOUND[dtype], f"tma gated {activation} {M}x{K}x{N}")
 
 
 @pytest.mark.gpu_only

@@ -357,23 +357,62 @@ def test_hopper_tma_backward_gemms_match_float64(tma_launch_device, activation, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,K,N", [(130, 96, 264), (1000, 520, 1288), (4096, 1024, 2048)])
 def test_warp_specialized_backward_gemms_match_float64(M, K, N, dtype):
-    """The Gluon cooperative GEMM (benchmarks/gemm_coop_ws.py, lab code, not dispatched) as the backward's two
-    GEMMs at every config of its table: dx = (dy * s) W and dW = (dy * s)^T x, db = column sums, on tails in every dim of the tile and
-    more output tiles than SMs (each CTA's producer runs ahead across tiles), against float64 on the same g."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import gemm_coop_ws
+    """The Gluon cooperative GEMM (tilefuse.kernels.gemm.coop, through its direct entries) as the backward's two
+    GEMMs at every config of its table: dx = (dy * s) W and dW = (dy * s)^T x, db = column sums, on tails in
+    every dim of the tile and more output tiles than SMs (each CTA's producer runs ahead across tiles), against
+    float64 on the same g."""
+    from tilefuse.kernels.gemm import coop
 
     x = _r(M, K, device="cuda", dtype=dtype)
     w = _r(N, K, seed=1, scale=K ** -0.5, device="cuda", dtype=dtype)
     dy = _r(M, N, seed=2, device="cuda", dtype=dtype)
     s = torch.rand(M, N, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).to(dtype)
     g = (dy.double() * s.double()).to(dtype).double()  # eager's g, rounded to the operand dtype
-    for name in (n for n, c in gemm_coop_ws.CONFIGS.items() if not c.get("FORWARD_ONLY")):
-        dx = gemm_coop_ws.grad_input(dy, s, w, name)
-        dw, db = gemm_coop_ws.grad_weight(dy, s, x, name)
+    for name in (n for n, c in coop.CONFIGS.items() if not c.get("FORWARD_ONLY")):
+        dx = coop.grad_input(dy, s, w, name)
+        dw, db = coop.grad_weight(dy, s, x, name)
         assert_close(dx, g @ w.double(), REL_L2_BOUND[dtype], f"{name} dx")
         assert_close(dw, g.t() @ x.double(), REL_L2_BOUND[dtype], f"{name} dW")
         assert_close(db, g.sum(0), REL_L2_BOUND[dtype], f"{name} db")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("M,K,N", [(2048, 2304, 4352), (2100, 2056, 4360)])
+def test_linear_training_runs_the_cooperative_backward(M, K, N):
+    """tilefuse.linear's training path (bf16, bias, GELU; forward and backward through autograd) at sizes where
+    the launch takes the cooperative kernel for both backward GEMMs (launch.coop_backward: an output tile per SM
+    and a reduction of >= 2048; dx [M, K] over N, dW [N, K] over M), the second with tails on every tile dim and
+    K step (rows still 16-byte multiples): the records say which kernels ran, and the x, W and b gradients match
+    float64."""
+    from tilefuse import runtime
+    from tilefuse.kernels import fastpath, launches
+    from tilefuse.kernels.gemm import coop, launch
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    sms = runtime.device_facts(dev)[1]
+    for rows, cols, reduction in ((M, K, N), (N, K, M)):  # the shapes take it on this GPU: else the test is void
+        assert coop.output_tiles(rows, cols, launch.COOP_BACKWARD_CONFIG) >= sms
+        assert reduction >= launch.COOP_MIN_REDUCTION
+    fastpath.clear_all()
+    x = _r(2, M // 2, K, device=dev, dtype=dtype)
+    w = _r(N, K, seed=1, scale=K ** -0.5, device=dev, dtype=dtype)
+    b = _r(N, seed=2, device=dev, dtype=dtype)
+    dy = _r(2, M // 2, N, seed=3, device=dev, dtype=dtype)
+    leaves = _leaves(x, w, b)
+    for call in range(2):  # the second call as the first: host descriptors, never a replay
+        for t in leaves:
+            t.grad = None
+        with launches.recording() as records:
+            y = tilefuse.linear(*leaves, "gelu")
+            y.backward(dy)
+        assert [r.kernel for r in records if r.op == "linear"] == ["tma"]
+        assert [r.kernel for r in records if r.op == "linear_backward"] == [
+            "grad input (cooperative warp-specialized), g = dy * slope in its loads",
+            "grad weight (cooperative warp-specialized) + bias, g = dy * slope in its loads"], call
+    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    want = reference.linear(*ref, "gelu")
+    want.backward(dy.double())
+    assert_close(y, want, BOUND, "y")
+    for got, exp, name in zip(leaves, ref, ("dx", "dW", "db")):
+        assert got.grad.shape == exp.grad.shape and got.grad.stride() == got.stride(), name
+        assert_close(got.grad, exp.grad, REL_L2_BOUND[dtype], f"coop {M}x{K}x{N} {name}")

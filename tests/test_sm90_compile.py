@@ -264,14 +264,18 @@ def test_warp_specialized_gemm_compiles_without_spills(activation, monkeypatch):
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
 
 
-@pytest.mark.parametrize("gemm", ["forward", "gated", "dx", "dW"])
-def test_cooperative_gemm_compiles(gemm):
-    """The cooperative Gluon GEMM (benchmarks/gemm_coop_ws.py, lab code) as the forward Linear+GELU, the gated
-    forward (SwiGLU: two accumulators per consumer) and the backward's two GEMMs: partitions, setmaxnreg 24/240, the backward's g made in registers as wgmma's A operand
-    (for dW through a transposed load), the wgmmas not serialised by ptxas (it serialises them when a register
-    operand stays in flight across the loop), no spills, and the ring within the shared memory."""
+@pytest.mark.parametrize("gemm,activation,db", [
+    ("forward", "gelu", False), ("gated", "swiglu", False), ("gated", "geglu", False), ("dx", None, False),
+    ("dW", None, True), ("dW", None, False)])
+def test_cooperative_gemm_compiles(gemm, activation, db):
+    """The cooperative Gluon GEMM (tilefuse.kernels.gemm.coop) at the configs the launch takes for each form --
+    the gated forward (SwiGLU / GeGLU: two accumulators per consumer) and the backward's two GEMMs (dW with and
+    without db) -- and the plain forward Linear+GELU at coop.DEFAULT: partitions, setmaxnreg 24/240, the
+    backward's g made in registers as wgmma's A operand (for dW through a transposed load), the wgmmas not
+    serialised by ptxas (it serialises them when a register operand stays in flight across the loop), no
+    spills, and the ring within the shared memory."""
     facts = compile_gluon_sm90("tools.compiler", "gemm_coop_ws_compile_job",
-                               dict(gemm=gemm, activation="swiglu" if gemm == "gated" else "gelu"))
+                               dict(gemm=gemm, activation=activation, db=db))
     assert facts["warp_specialized"] and facts["wgmma"], facts
     assert facts["wgmma_a_in_registers"] == (gemm in ("dx", "dW")), facts
     assert not facts["wgmma_serialized"], facts
@@ -281,10 +285,10 @@ def test_cooperative_gemm_compiles(gemm):
 
 @pytest.mark.parametrize("which,head_dim,causal", [("dkdv", 64, False), ("dkdv", 128, True), ("dq", 128, True)])
 def test_warp_specialized_attention_backward_compiles(which, head_dim, causal):
-    """The Gluon backward passes (benchmarks/attention_bwd_ws.py, lab code): partitions, setmaxnreg 24/240, P^T
-    and dS^T (dS in the dQ pass) as wgmma's register operand, no spills at d 128 (dK/dV: two [64, 128] fp32
-    accumulators beside the score tiles; the row terms enter as the score accumulators' initial values to
-    fit), wgmmas not serialised."""
+    """The Gluon backward passes (tilefuse.kernels.attention.ws_backward) as the launch runs them: partitions,
+    setmaxnreg 24/240, P^T and dS^T (dS in the dQ pass) as wgmma's register operand, no spills at d 128 (dK/dV:
+    two [64, 128] fp32 accumulators beside the score tiles; the row terms enter as the score accumulators'
+    initial values to fit), wgmmas not serialised."""
     facts = compile_gluon_sm90("tools.compiler", "attention_bwd_ws_compile_job",
                                dict(head_dim=head_dim, causal=causal, which=which))
     assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts

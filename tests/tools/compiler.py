@@ -205,20 +205,62 @@ def gemm_ws_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: 
 
 
 def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activation: str = "gelu",
-                             dtype: str = "bfloat16"):
-    """(kernel, signature, constexprs, options) of benchmarks/gemm_coop_ws.py's kernel as its ``linear``
-    ("forward"), ``grad_input`` ("dx") or ``grad_weight`` ("dW") launch it, at one of its CONFIGS (default: its
-    DEFAULT)."""
-    lab = _import_lab("gemm_coop_ws")
-    return lab.compile_job(gemm=gemm, config=config or lab.DEFAULT, activation=activation, dtype=dtype)
+                             dtype: str = "bfloat16", num_sms: int = 132, db: bool = True):
+    """(kernel, signature, constexprs, options) of tilefuse.kernels.gemm.coop.gemm_coop_ws_kernel as its
+    ``launch`` runs it for the forward ("forward", ``coop.linear``), the gated forward ("gated", with
+    ``activation`` a GLU, else swiglu), dx ("dx") or dW ("dW", with db unless ``db`` is False), at one of its
+    CONFIGS (default: the config the launch layer takes for that form, kernels/gemm/launch.py's COOP_*_CONFIG;
+    for the plain forward, which the launch does not take, coop.DEFAULT)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from tilefuse.kernels.gemm import coop, launch
+    from tilefuse.kernels.gluon_host import host_descriptor
+
+    if config is None:
+        config = {"forward": coop.DEFAULT, "gated": launch.COOP_GATED_CONFIG}.get(gemm, launch.COOP_BACKWARD_CONFIG)
+    cfg = coop.CONFIGS[config]
+    trans_a, slope, b_kmajor = {"forward": (False, False, True), "gated": (False, False, True),
+                                "dx": (False, True, False), "dW": (True, True, False)}[gemm]
+    t = torch.empty(256, 256, dtype=getattr(torch, dtype))
+    a_box, b_box, c_box = coop.boxes(trans_a, b_kmajor, cfg)
+    a_sig = mangle_type(host_descriptor(t, a_box))
+    b_sig = mangle_type(host_descriptor(t, b_box))
+    signature = dict(a_desc=a_sig, s_desc=a_sig, b_desc=b_sig, bu_desc=b_sig,
+                     c_desc=mangle_type(host_descriptor(t, c_box)), bias_ptr=mangle_type(t),
+                     bias_up_ptr=mangle_type(t), db_ptr=mangle_type(t), Mc="i32", Nc="i32", R="i32")
+    forward = gemm in ("forward", "gated")
+    if gemm == "gated" and activation not in ("swiglu", "geglu", "geglu_tanh"):
+        activation = "swiglu"
+    constexprs = coop.constexprs(trans_a, slope, b_kmajor, forward, activation if forward else None,
+                                 gemm == "dW" and db, cfg, num_sms, gated=gemm == "gated")
+    return coop.gemm_coop_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=coop.LAUNCH_MAXNREG)
 
 
-def attention_bwd_ws_compile_job(head_dim: int = 128, causal: bool = True, config: str | None = None,
-                                 dtype: str = "bfloat16", which: str = "dkdv"):
-    """(kernel, signature, constexprs, options) of benchmarks/attention_bwd_ws.py's dK/dV kernel (``which``
-    "dkdv") or dQ kernel ("dq") at one of its CONFIGS (default: its DEFAULT)."""
-    lab = _import_lab("attention_bwd_ws")
-    return lab.compile_job(head_dim=head_dim, causal=causal, config=config or lab.DEFAULT, dtype=dtype, which=which)
+def attention_bwd_ws_compile_job(head_dim: int = 128, causal: bool = True, dtype: str = "bfloat16",
+                                 which: str = "dkdv"):
+    """(kernel, signature, constexprs, options) of tilefuse.kernels.attention.ws_backward's dK/dV kernel
+    (``which`` "dkdv") or dQ kernel ("dq"), as ``tilefuse.kernels.attention.launch._backward_ws`` launches them."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from tilefuse.kernels.attention import launch, ws, ws_backward
+    from tilefuse.kernels.gluon_host import host_descriptor
+
+    t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
+    tile = ws.tile_head_dim(head_dim)
+    q_sig = mangle_type(host_descriptor(t, (1, 1, ws_backward.BLOCK_M.value, tile)))
+    kv_sig = mangle_type(host_descriptor(t, (1, 1, ws_backward.KEYS, tile)))
+    rest = dict(lse_ptr="*fp32", delta_ptr="*fp32", H_Q="i32", H_KV="i32", N_Q="i32", N_K="i32", qk_scale="fp32",
+                scale="fp32", pos_offset="i32", window_right="i32")
+    constexprs = dict(HAS_RIGHT=causal, STAGES=launch.BACKWARD_WS_STAGES)
+    options = dict(num_warps=4, maxnreg=ws_backward.LAUNCH_MAXNREG)
+    if which == "dq":
+        signature = dict(q_desc=q_sig, k_desc=q_sig, v_desc=q_sig, do_desc=q_sig, dq_desc=q_sig, **rest)
+        return ws_backward.attention_bwd_dq_ws_kernel, signature, constexprs, options
+    signature = dict(q_desc=q_sig, k_desc=kv_sig, v_desc=kv_sig, do_desc=q_sig, dk_desc=kv_sig, dv_desc=kv_sig,
+                     **rest)
+    return ws_backward.attention_bwd_dkdv_ws_kernel, signature, constexprs, options
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""The attention family's launch layer: the one place that picks the forward kernel, its config and its
-grid. The warp-specialized Hopper kernel (ws.py) runs for sm_90, fp16/bf16, head dim 64 or 128, no mask
-and TMA-able tensors; the portable kernel (portable.py) runs everything else, and under the
-interpreter. Inputs arrive checked and non-empty (tilefuse.ops).
+"""The attention family's launch layer: the one place that picks the kernels, their configs and grids.
+- Forward: the warp-specialized Hopper kernel (ws.py) for sm_90, fp16/bf16, the head dims it supports, no
+  mask and TMA-able tensors; the portable kernel (portable.py) everything else, and the interpreter.
+- Backward: D = rowsum(dO * O) by the portable row-dot kernel, then the warp-specialized dK/dV and dQ passes
+  (ws_backward.py) for sm_90, fp16/bf16, d <= 128, no mask, soft-cap, ALiBi, left window or packed sequences,
+  TMA-able tensors; the portable passes (backward.py) everything else.
+Inputs arrive checked and non-empty (tilefuse.ops).
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import triton
 
 from tilefuse import runtime, sizes, tuning
 from tilefuse.kernels import fastpath, launches
-from tilefuse.kernels.attention import ws
+from tilefuse.kernels.attention import ws, ws_backward
 from tilefuse.kernels.attention.common import MAX_GRID_Y, descriptors_usable
 from tilefuse.kernels.attention.portable import attention_fwd_kernel
 from tilefuse.kernels.gluon_host import host_descriptor
@@ -340,6 +343,41 @@ def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
 
 BACKWARD_DKDV_STAGES = 1  # the dK/dV kernel's pipeline depth on 16-bit 64-row tiles (backward_config)
 
+# The warp-specialized passes (ws_backward.py): on where they apply (False: the portable passes everywhere, for
+# benchmarks), with the Q/dO (dK/dV pass) and K/V (dQ pass) ring this deep. 2 stages measured best or within 2%
+# of 3 and 4 on the H200's backward grid (NOTES.md).
+BACKWARD_WS = True
+BACKWARD_WS_STAGES = 2
+
+
+def ws_backward_usable(q, k, v, mask, window_left, softcap, alibi, varlen) -> bool:
+    """The cases the warp-specialized backward passes take: everything else runs the portable passes. dout need
+    not be TMA-able: the launch copies it when it is not (autograd's expanded or strided gradients)."""
+    return (BACKWARD_WS and mask is None and softcap is None and alibi is None and varlen is None
+            and window_left < 0 and q.is_cuda and runtime.device_facts(q.device)[0] == 9
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in ws_backward.HEAD_DIMS
+            and q.shape[0] * q.shape[1] <= MAX_GRID_Y and descriptors_usable(q, k, v))
+
+
+def _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, *, scale, pos_offset, window_right) -> dict:
+    """The two warp-specialized passes into dq, dk, dv (the layouts of q, k, v: TMA-able as they are)."""
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    tile = ws.tile_head_dim(d)
+    rows, keys = (1, 1, ws_backward.BLOCK_M.value, tile), (1, 1, ws_backward.KEYS, tile)
+    q_d, do_d = host_descriptor(q, rows), host_descriptor(dout, rows)
+    flags = dict(HAS_RIGHT=window_right >= 0, STAGES=BACKWARD_WS_STAGES, num_warps=4,
+                 maxnreg=ws_backward.LAUNCH_MAXNREG)
+    positions = (Hq, Hkv, Nq, Nk, scale * LOG2E, scale, pos_offset, max(window_right, 0))
+    fastpath.launch(ws_backward.attention_bwd_dkdv_ws_kernel, (cdiv(Nk, 2 * ws_backward.KEYS), B * Hkv), (
+        q_d, host_descriptor(k, keys), host_descriptor(v, keys), do_d, host_descriptor(dk, keys),
+        host_descriptor(dv, keys), lse, delta, *positions), flags)
+    # The dQ pass reads K and V in tiles of its own ring's key count (BLOCK_KEYS = BLOCK_M rows).
+    fastpath.launch(ws_backward.attention_bwd_dq_ws_kernel, (cdiv(Nq, ws_backward.QUERY_ROWS), B * Hq), (
+        q_d, host_descriptor(k, rows), host_descriptor(v, rows), do_d, host_descriptor(dq, rows), lse, delta,
+        *positions), flags)
+    return dict(STAGES=BACKWARD_WS_STAGES, HEAD_D=tile)
+
 
 def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int, window_left: int,
              window_right: int, path, softcap=None, alibi=None, varlen=None):
@@ -373,6 +411,14 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     fastpath.launch(attention_bwd_rowdot_kernel, (cdiv(Nq, rows), B * Hq), (
         out, dout, dlse if dlse is not None else delta, delta, *out.stride(), *dout.stride(), Hq, Nq, d),
         dict(HAS_DLSE=dlse is not None, BLOCK_M=rows, BLOCK_D=block_d))
+    if ws_backward_usable(q, k, v, mask, window_left, softcap, alibi, varlen):
+        if not descriptors_usable(dout):
+            dout = dout.contiguous()
+        cfg = _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, scale=scale, pos_offset=pos_offset,
+                           window_right=window_right)
+        launches.record("attention_backward", path, "ws: rowdot, dk/dv, dq (no atomics)",
+                        lambda: f"s{cfg['STAGES']} d{cfg['HEAD_D']}")
+        return dq, dk, dv
     has_mask = mask is not None
     mask_is_bool = has_mask and mask.dtype == torch.bool
     if mask_is_bool:

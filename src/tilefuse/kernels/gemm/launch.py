@@ -3,7 +3,9 @@ config, grid and K split, for tilefuse.linear (plain and gated) and tilefuse.lay
 
 - Hopper (sm_90+), 16-bit operands, TMA-able layouts (unit inner strides, 16-byte-aligned rows and
   bases): the persistent TMA kernel (tma.py); layer_norm_linear there folds gamma into a copy of the
-  weight and lets the TMA GEMM normalize in its epilogue.
+  weight and lets the TMA GEMM normalize in its epilogue. The gated forward without slopes (inference) on
+  sm_90 with at least one output tile per SM: the cooperative warp-specialized Gluon kernel (coop.py,
+  ``coop_gated``).
 - Small M (decode, M <= 64 with K >= 1024): the portable kernel with K split over programs, reduced in
   the same launch (portable.py, SPLIT_K).
 - Everything else, and the interpreter: the portable kernel; layer_norm_linear with a statistics
@@ -11,10 +13,14 @@ config, grid and K split, for tilefuse.linear (plain and gated) and tilefuse.lay
 - Training: every forward entry takes ``save_slope`` and then also returns the activation's slope(s)
   ``act'(pre)`` its kernel stored (backward.py says why the slope, not the pre-activation); the backward
   entry runs the two backward GEMMs (backward.py), which make ``g = dy * slope`` in their operand loads: dW
-  as a persistent TMA kernel on Hopper (16-bit, TMA-able operands), the tuned pointer kernels otherwise.
+  as a persistent TMA kernel on Hopper (16-bit, TMA-able operands), the tuned pointer kernels otherwise. With a
+  slope, not gated, on sm_90, dx and dW (+ db) each take the cooperative warp-specialized Gluon kernel
+  (coop.py) where it measured faster (``coop_backward``: enough output tiles for the SMs and a reduction of
+  2048 or more; dW in the weight's row-major layout).
 
 Each entry allocates its output, records what ran (kernels/launches.py) and goes through the family's
-fast path (kernels/fastpath.py). Inputs arrive checked and non-empty (tilefuse.ops).
+fast path (kernels/fastpath.py); a call that runs the cooperative kernel takes the full path every time (its
+host TMA descriptors are rebuilt per call). Inputs arrive checked and non-empty (tilefuse.ops).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import torch
 
 from tilefuse import runtime, sizes, tuning
 from tilefuse.kernels import fastpath, launches
-from tilefuse.kernels.gemm import configs
+from tilefuse.kernels.gemm import configs, coop
 from tilefuse.kernels.gemm.backward import grad_input_kernel, grad_weight_kernel, grad_weight_tma_kernel
 from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
@@ -135,6 +141,59 @@ def hopper_tma(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
     return x2d.dtype != torch.float32 and tma_supported(x2d, *others) and runtime.device_facts(x2d.device)[0] == 9
 
 
+# The cooperative warp-specialized Gluon GEMM (coop.py) where it measured faster than the kernels the launch
+# runs otherwise (benchmarks/NOTES.md has the numbers): the linear backward's dx and dW (+ db) with a slope, and
+# the gated forward without slopes. False leaves each to those kernels (benchmarks compare them so; after
+# switching, fastpath.clear_all(): captured plans keep their kernels).
+COOP_BACKWARD = True
+COOP_GATED = True
+COOP_BACKWARD_CONFIG = "128x256x32_s4"
+COOP_GATED_CONFIG = "128x128x64_s4"  # the gated form's two accumulators per consumer fit at BLOCK_N 128 only
+# The backward's cooperative GEMM has one CTA per SM walking whole output tiles, each over the whole reduction
+# (no split): with fewer tiles than SMs some SMs idle, and over a short reduction a tile's ring fill, drain and
+# epilogue weigh more than its few K steps. Measured: dx slower with half the SMs' worth of tiles, dW slower over
+# short reductions but faster with half an SM's worth of tiles over long ones (dW's own reduction runs 8-16k
+# rows deep there); with these minimums it measured faster on every shape.
+COOP_MIN_REDUCTION = 2048
+COOP_MIN_TILES_PER_SM = {"dx": 1.0, "dW": 0.5}
+
+
+def coop_operands(path: str, *tensors: torch.Tensor) -> bool:
+    """Whether the cooperative kernel can take these 2-D operands and output: the compiled path, one 16-bit
+    dtype, ``hopper_tma`` (sm_90, unit inner strides, 16-byte-aligned rows and bases) and dense rows (a row
+    stride at least the row's length: no broadcast or overlapping rows under its TMA boxes)."""
+    t0 = tensors[0]
+    return (path == runtime.COMPILED and t0.dtype in (torch.float16, torch.bfloat16)
+            and all(t.dtype == t0.dtype and t.stride(0) >= t.shape[1] for t in tensors) and hopper_tma(*tensors))
+
+
+def coop_backward(c: torch.Tensor, a: torch.Tensor, s, b: torch.Tensor, path: str, gemm: str) -> bool:
+    """Whether one backward GEMM runs the cooperative kernel: dx [M, K] = g @ W (``b`` = W [N, K]) or
+    dW [N, K] = g^T @ x (``b`` = x [M, K]), g = a * s (``a`` = dy [M, N], ``s`` the slope or None), into ``c``.
+    Taken with COOP_BACKWARD, a slope (without one, today's kernels: not measured), ``coop_operands`` of all
+    four as laid out -- so W row-major for dx, and dW only in the weight's row-major [N, K] layout (a Conv1D
+    weight's dW^T stays on the TMA kernel) -- and where it measured faster: output tiles (``coop.output_tiles``
+    at COOP_BACKWARD_CONFIG) at least COOP_MIN_TILES_PER_SM[gemm] ("dx" or "dW") times the SM count and a
+    reduction (``b``'s rows) of at least COOP_MIN_REDUCTION."""
+    if not COOP_BACKWARD or s is None or not coop_operands(path, c, a, s, b):
+        return False
+    tiles = coop.output_tiles(c.shape[0], c.shape[1], COOP_BACKWARD_CONFIG)
+    return (tiles >= COOP_MIN_TILES_PER_SM[gemm] * runtime.device_facts(c.device)[1]
+            and b.shape[0] >= COOP_MIN_REDUCTION)
+
+
+def coop_gated(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, y2d: torch.Tensor, save_slope: bool,
+               path: str) -> bool:
+    """Whether the gated forward y2d = glu(x2d @ w_gate^T + b_gate, x2d @ w_up^T + b_up) runs the cooperative
+    kernel: COOP_GATED, no slopes to store (the kernel has no slope outputs, so a training forward keeps the
+    TMA kernel), ``coop_operands`` of x2d, both weights ([N, K] as nn.Linear keeps them) and y2d, and at least
+    one output tile per SM at COOP_GATED_CONFIG (it measured faster than the TMA gated kernel at prefill-sized
+    M; with fewer tiles than SMs the TMA kernel keeps it)."""
+    if not COOP_GATED or save_slope or not coop_operands(path, y2d, x2d, w_gate, w_up):
+        return False
+    return coop.output_tiles(*y2d.shape, COOP_GATED_CONFIG) >= runtime.device_facts(y2d.device)[1]
+
+
 def launch_persistent(kernel, tiles: int, args: tuple, kwargs: dict, device) -> None:
     """A persistent TMA kernel over ``tiles`` output tiles: one program per SM at most (NUM_SMS the stride of
     its tile loop), with the descriptor allocator its in-kernel descriptors need."""
@@ -240,6 +299,11 @@ def _linear(x, w, b, w_up, b_up, activation, precision, path, save_slope):
     if (compiled and split_k == 1 and x.dtype != torch.float32 and s_k == 1
             and (s_outer == 0 or m_inner == M)):
         x2d = x_rows.as_strided((M, K), (s_inner, 1))
+        if gated and coop_gated(x2d, w, w_up, y2d, save_slope, path):
+            coop.launch(x2d, None, w, y2d, b_kmajor=True, bias=b, activation=activation, b_up=w_up, bias_up=b_up,
+                        config=COOP_GATED_CONFIG)
+            launches.record("linear", path, "cooperative warp-specialized", COOP_GATED_CONFIG)
+            return out
         if tma_supported(x2d, w, y2d, *([w_up] if gated else []), *slopes):
             cfg = _launch_tma(x2d, w, b, y2d, activation, w_up=w_up, b_up=b_up, slopes=slopes)
             launches.record("linear", path, "tma", lambda: tuning.describe(cfg))
@@ -459,18 +523,24 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
         return dy.new_empty((0,))
     flags = dict(HAS_SLOPE=slope is not None, INPUT_PRECISION=precision,
                  UPCAST_DOT=interpret and x.dtype == torch.bfloat16)
+    s_coop = s2d if slope is not None and not gated else None  # the cooperative kernel's slope: plain only
     dx = none()
     if need_dx:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dx2d = dx.view(M, K)
-        wu = w_up if gated else w
-        args = (dy2d, s2d, su2d, w, wu, dx2d, M, N, K, sizes.m_bucket(M),
-                dy2d.stride(0), dy2d.stride(1), s2d.stride(0), s2d.stride(1),
-                w.stride(0), w.stride(1), wu.stride(0), wu.stride(1), dx2d.stride(0), dx2d.stride(1))
-        cfg = _launch_backward(grad_input_kernel, grad_input_tuned, args, dict(flags, GATED=gated), interpret,
-                               lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),))
-        launches.record("linear_backward", path, "grad input, g = dy * slope in its loads",
-                        lambda: tuning.describe(cfg))
+        if coop_backward(dx2d, dy2d, s_coop, w, path, "dx"):
+            coop.launch(dy2d, s2d, w, dx2d, config=COOP_BACKWARD_CONFIG)
+            launches.record("linear_backward", path, "grad input (cooperative warp-specialized), g = dy * slope "
+                            "in its loads", COOP_BACKWARD_CONFIG)
+        else:
+            wu = w_up if gated else w
+            args = (dy2d, s2d, su2d, w, wu, dx2d, M, N, K, sizes.m_bucket(M),
+                    dy2d.stride(0), dy2d.stride(1), s2d.stride(0), s2d.stride(1),
+                    w.stride(0), w.stride(1), wu.stride(0), wu.stride(1), dx2d.stride(0), dx2d.stride(1))
+            cfg = _launch_backward(grad_input_kernel, grad_input_tuned, args, dict(flags, GATED=gated), interpret,
+                                   lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),))
+            launches.record("linear_backward", path, "grad input, g = dy * slope in its loads",
+                            lambda: tuning.describe(cfg))
     dws, dbs = [none(), none()], [none(), none()]
     # Without an activation g is dy itself, already in HBM: db is its column sum, one read of dy (eager's
     # own db). The dW kernel sums db only from a g it makes (dy * slope): a loaded dy tile feeding both the
@@ -488,6 +558,13 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
             db = dw
             if fused_db:
                 db = dbs[i] = torch.empty(N, dtype=x.dtype, device=x.device)
+            if x2d is not None and coop_backward(dw, dy2d, s_coop, x2d, path, "dW"):
+                coop.launch(dy2d, s2d, x2d, dw, trans_a=True, db=db if fused_db else None,
+                            config=COOP_BACKWARD_CONFIG)
+                launches.record("linear_backward", path, "grad weight (cooperative warp-specialized)"
+                                + (" + bias" if fused_db else "") + ", g = dy * slope in its loads",
+                                COOP_BACKWARD_CONFIG)
+                continue
             if x2d is not None and _backward_tma((dy2d, sb, x2d), (dw,)):
                 dw_kn = dw.stride(1) != 1  # dW in its weight's Conv1D layout: dW^T [K, N], unit row stride
                 cfg = BACKWARD_TMA_TILE

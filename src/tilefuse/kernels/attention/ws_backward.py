@@ -1,43 +1,30 @@
-"""Lab: warp-specialized Gluon forms of the attention backward's two passes, dK/dV (four of the backward's seven
-GEMMs per tile) and dQ (the other three), for issue 18's fast Hopper backward. Not dispatched: nothing in
-src/ imports this file. tests/tools/compiler.py's attention_bwd_ws_compile_job compiles it for sm_90a.
+"""FlashAttention backward for Hopper with warp specialization (Gluon): the dK/dV pass and the dQ pass.
 
-The portable dK/dV kernel (src/tilefuse/kernels/attention/backward.py) holds two [64, d] fp32 accumulators
-beside its score tiles in one instruction stream: at d 128 it sits at 255 registers with one pipeline stage
-(NOTES: the compile table), 0.40-0.61x FA2 for the whole backward. Here, per CTA, one key block of 128 keys
-of one KV head:
-- a producer warp loads the block's K and V once, then Q and dO of every query block that sees the keys (for
-  every query head of the GQA group) through a ring of TMA buffers;
-- two consumer warpgroups each own 64 of the keys, with their dK and dV accumulators in registers. Per query
-  block: S^T = K Q^T and dP^T = V dO^T from shared memory (issued together), P^T = exp2(S^T - lse) while dP^T
+The portable passes (backward.py) hold two [64, d] fp32 accumulators beside their score tiles in one instruction
+stream: at d 128 the dK/dV kernel sits at 255 registers with one pipeline stage. Here a producer warp only
+issues TMA loads and two consumer warpgroups run the GEMMs, with setmaxnreg giving them 240 registers each.
+- dK/dV (``attention_bwd_dkdv_ws_kernel``), per CTA one block of 128 keys of one KV head: the producer loads
+  the block's K and V once, then Q and dO of every query block that sees the keys (every query head of the GQA
+  group) through a ring of TMA buffers. Each consumer owns 64 of the keys, dK and dV in registers. Per query
+  block: S^T = K Q^T and dP^T = V dO^T issued together from shared memory, P^T = exp2(S^T - lse) while dP^T
   runs, dV += P^T dO issued, dS^T = P^T (dP^T - D) while it runs, then dK += dS^T Q; P^T and dS^T are wgmma's
-  register operand (keys as rows: no transpose). The ring slot goes back when both consumers are done with it.
-- the epilogue scales dK, stages dK and dV in the consumer's own K and V buffers and stores them by TMA
-  (4-D descriptors clip rows past the head's N).
-Scope of this form: 16-bit, head dim up to 128 (80 and 96 in 128-wide tiles), no mask, no soft-cap or ALiBi, no left window; causal and
-right windows (HAS_RIGHT), GQA, any N (rows past N_Q get P = 0 through lse = +inf; keys past N_K only reach
-dK/dV rows that are never stored).
-D = rowsum(dO * O) comes from the portable row-dot kernel. The dQ pass (``attention_bwd_dq_ws_kernel``) has the
-forward's structure: per CTA 128 query rows (two consumers of 64), K and V tiles through the ring, dQ += dS K.
-
-    PYTHONPATH=src python benchmarks/attention_bwd_ws.py compile   # sm_90a facts (any machine)
-    PYTHONPATH=src python benchmarks/attention_bwd_ws.py bench     # H200: check and time beside the portable pass
+  register operand (keys as rows: no transpose). The epilogue scales dK, stages dK and dV in the consumer's own
+  K and V buffers and stores them by TMA (4-D descriptors clip rows past the head's N).
+- dQ (``attention_bwd_dq_ws_kernel``), per CTA 128 query rows of one query head (two consumers of 64): the
+  forward's structure (ws.py) with dS in place of P, dQ += dS K. No atomics: the gradients are deterministic.
+The row terms lse and D enter as the score accumulators' initial values, so the two vectors die at once and
+d 128 fits without spills.
+Scope: sm_90, 16-bit, head dim up to 128 (80 and 96 in 128-wide tiles, ws.tile_head_dim), no mask, no
+soft-cap, ALiBi or left window; causal and right windows (HAS_RIGHT), GQA, any N (rows past N_Q get P = 0
+through lse = +inf; keys past N_K only reach dK/dV rows that are never stored). D = rowsum(dO * O) comes from
+the portable row-dot kernel; the launch (launch.py) runs the portable passes for everything else.
 """
 from __future__ import annotations
 
-import json
-import math
-import sys
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-
-from tilefuse.kernels.attention.ws import tile_head_dim
-from tilefuse.kernels.gluon_host import host_descriptor
-from tilefuse.sizes import cdiv
 
 KEYS = 64  # keys per consumer warpgroup: a CTA's key block is 2 * KEYS
 HALF_N = gl.constexpr(KEYS)
@@ -45,9 +32,11 @@ BLOCK_M = gl.constexpr(64)  # query rows per ring step
 LOG2E = gl.constexpr(1.4426950408889634)
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
-LAUNCH_MAXNREG = 168
-CONFIGS = {"s2": dict(STAGES=2), "s3": dict(STAGES=3), "s4": dict(STAGES=4)}  # ring depth (Q and dO per slot: 2 x 64 x d x 2 bytes)
-DEFAULT = "s2"
+LAUNCH_MAXNREG = 168  # 3 warpgroups at 168 = 2 * 240 + 24
+QUERY_ROWS = 128  # query rows per CTA of the dQ pass (two consumers of BLOCK_M)
+# The forward's head dims up to 128 (ws.tile_head_dim's 64- and 128-wide tiles); past 128 the dK/dV pass's two
+# [64, d] fp32 accumulators do not fit a consumer's registers.
+HEAD_DIMS = (64, 80, 96, 128)
 
 
 @gluon.jit
@@ -324,138 +313,3 @@ def attention_bwd_dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
         (_dq_consumer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 1)),
         (_dq_producer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-# ---- host side ------------------------------------------------------------------------------------
-def _tile(d: int) -> int:
-    """The tiles' head-dim width, the forward's (ws.tile_head_dim): the descriptors keep the tensors' real d, so
-    TMA fills the columns past it with zeros on load and clips them on store (d 80 and 96 run in 128-wide tiles).
-    Past 128 the two [64, d] fp32 accumulators of the dK/dV pass do not fit a consumer's 240 registers."""
-    if d > 128:
-        raise ValueError(f"head dim {d}: the lab passes take d <= 128")
-    return tile_head_dim(d)
-
-
-def dkdv(q, k, v, dout, lse, delta, *, scale: float, causal: bool, config: str = DEFAULT):
-    """(dk, dv) for q, dout [B, Hq, Nq, d], k, v [B, Hkv, Nk, d] (16-bit, d <= 128, unit last stride,
-    16-byte-aligned rows), lse and delta fp32 [B, Hq, Nq] contiguous (delta = rowsum(dO * O)); causal
-    aligned bottom-right as the forward (pos_offset = Nk - Nq)."""
-    B, Hq, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    q_box, kv_box = (1, 1, 64, _tile(d)), (1, 1, KEYS, _tile(d))
-    attention_bwd_dkdv_ws_kernel[(cdiv(Nk, 2 * KEYS), B * Hkv)](
-        host_descriptor(q, q_box), host_descriptor(k, kv_box), host_descriptor(v, kv_box),
-        host_descriptor(dout, q_box), host_descriptor(dk, kv_box), host_descriptor(dv, kv_box), lse, delta,
-        Hq, Hkv, Nq, Nk, scale * 1.4426950408889634, scale, Nk - Nq, 0, HAS_RIGHT=causal,
-        STAGES=CONFIGS[config]["STAGES"], num_warps=4, maxnreg=LAUNCH_MAXNREG)
-    return dk, dv
-
-
-def dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool, config: str = DEFAULT):
-    """dq for the same arguments as ``dkdv``."""
-    B, Hq, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    out = torch.empty_like(q)
-    q_box, kv_box = (1, 1, 64, _tile(d)), (1, 1, 64, _tile(d))
-    attention_bwd_dq_ws_kernel[(cdiv(Nq, 128), B * Hq)](
-        host_descriptor(q, q_box), host_descriptor(k, kv_box), host_descriptor(v, kv_box),
-        host_descriptor(dout, q_box), host_descriptor(out, q_box), lse, delta,
-        Hq, Hkv, Nq, Nk, scale * 1.4426950408889634, scale, Nk - Nq, 0, HAS_RIGHT=causal,
-        STAGES=CONFIGS[config]["STAGES"], num_warps=4, maxnreg=LAUNCH_MAXNREG)
-    return out
-
-
-def compile_job(head_dim: int = 128, causal: bool = True, config: str = DEFAULT, dtype: str = "bfloat16",
-                which: str = "dkdv"):
-    """(kernel, signature, constexprs, options) as ``dkdv`` (``which`` "dkdv") or ``dq`` ("dq") launch it, for
-    tests/tools/compiler.py."""
-    from triton.runtime.jit import mangle_type
-
-    t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
-    q_sig = mangle_type(host_descriptor(t, (1, 1, 64, _tile(head_dim))))
-    kv_sig = mangle_type(host_descriptor(t, (1, 1, KEYS, _tile(head_dim))))
-    rest = dict(lse_ptr="*fp32", delta_ptr="*fp32", H_Q="i32", H_KV="i32", N_Q="i32", N_K="i32", qk_scale="fp32",
-                scale="fp32", pos_offset="i32", window_right="i32")
-    constexprs = dict(HAS_RIGHT=causal, STAGES=CONFIGS[config]["STAGES"])
-    if which == "dq":
-        signature = dict(q_desc=q_sig, k_desc=q_sig, v_desc=q_sig, do_desc=q_sig, dq_desc=q_sig, **rest)
-        return attention_bwd_dq_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
-    signature = dict(q_desc=q_sig, k_desc=kv_sig, v_desc=kv_sig, do_desc=q_sig, dk_desc=kv_sig, dv_desc=kv_sig,
-                     **rest)
-    return attention_bwd_dkdv_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
-
-
-# ---- lab commands ------------------------------------------------------------------------------------
-# (B, Hq, Hkv, N, d, causal): the backward grid of the report (B*N = 16k, H = 2048 / d) and a GQA row.
-BENCH_CASES = [(16, 32, 32, 1024, 64, False), (16, 32, 32, 1024, 64, True), (4, 32, 32, 4096, 64, True),
-               (16, 16, 16, 1024, 128, False), (16, 16, 16, 1024, 128, True), (4, 16, 16, 4096, 128, False),
-               (4, 16, 16, 4096, 128, True), (1, 16, 16, 16384, 128, True), (1, 32, 8, 2048, 128, True),
-               (4, 16, 16, 4096, 80, True), (4, 16, 16, 4096, 96, True)]  # issue 18's head-dim rows
-
-
-def compile_facts():
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
-    from tools.compiler import compile_gluon_sm90
-
-    for which in ("dkdv", "dq"):
-        for d in (64, 128):
-            for name in CONFIGS:
-                for causal in (False, True):
-                    facts = compile_gluon_sm90("tools.compiler", "attention_bwd_ws_compile_job",
-                                               dict(head_dim=d, causal=causal, config=name, which=which))
-                    print(json.dumps(dict(which=which, head_dim=d, config=name, causal=causal, **facts)), flush=True)
-
-
-def _portable_dkdv(q, k, v, dout, out, lse, scale, causal):
-    """The launch's whole backward (row-dot, portable dK/dV, dQ): (dq, dk, dv), for the reference and the timing."""
-    from tilefuse.kernels.attention import launch
-    Nq, Nk = q.shape[2], k.shape[2]
-    return launch.backward(dout, q, k, v, out, lse, None, None, scale, Nk - Nq, -1, 0 if causal else -1, "compiled")
-
-
-def bench():
-    from triton.testing import do_bench
-
-    import tilefuse
-
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-    for B, Hq, Hkv, N, d, causal in BENCH_CASES:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, Hq, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(B, Hkv, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(B, Hkv, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        dout = torch.randn(B, Hq, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        scale = 1.0 / math.sqrt(d)
-        out, lse = tilefuse.attention(q, k, v, causal=causal, return_lse=True)
-        lse = lse.float().contiguous()
-        delta = (dout.float() * out.float()).sum(-1).contiguous()
-        _, dk_ref, dv_ref = _portable_dkdv(q, k, v, dout, out, lse, scale, causal)
-        flops = 8 * B * Hq * N * N * d * (0.5 if causal else 1.0)  # dK/dV pass: 4 GEMMs of 2*N*N*d
-        # The whole backward as the launch runs it (row-dot, portable dK/dV, portable dQ): the report's
-        # attention_backward time at these shapes, where FA2 and cuDNN sit beside it.
-        row = {"case": [B, Hq, Hkv, N, d, causal], "portable_backward_ms": do_bench(
-            lambda: _portable_dkdv(q, k, v, dout, out, lse, scale, causal)),
-            "delta_torch_ms": do_bench(lambda: (dout.float() * out.float()).sum(-1))}
-        dq_ref = _portable_dkdv(q, k, v, dout, out, lse, scale, causal)[0]
-        for name in CONFIGS:
-            try:
-                dk, dv = dkdv(q, k, v, dout, lse, delta, scale=scale, causal=causal, config=name)
-                dq_ws = dq(q, k, v, dout, lse, delta, scale=scale, causal=causal, config=name)
-                torch.cuda.synchronize()
-                row[f"ws_{name}_rel_l2_vs_portable_dq_dk_dv"] = [rel(dq_ws, dq_ref), rel(dk, dk_ref), rel(dv, dv_ref)]
-                ms = do_bench(lambda: dkdv(q, k, v, dout, lse, delta, scale=scale, causal=causal, config=name))
-                row[f"ws_{name}_dkdv_ms"] = ms
-                row[f"ws_{name}_dkdv_tflops"] = flops / ms / 1e9
-                ms = do_bench(lambda: dq(q, k, v, dout, lse, delta, scale=scale, causal=causal, config=name))
-                row[f"ws_{name}_dq_ms"] = ms
-                row[f"ws_{name}_dq_tflops"] = flops * 3 / 4 / ms / 1e9  # three GEMMs of 2*N*N*d
-            except Exception as e:  # a config that fails is reported, the rest still run
-                row[f"ws_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print(json.dumps(row), flush=True)
-
-
-if __name__ == "__main__":
-    {"compile": compile_facts, "bench": bench}[sys.argv[1] if len(sys.argv) > 1 else "compile"]()
