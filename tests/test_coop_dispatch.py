@@ -186,6 +186,23 @@ def test_training_backward_launches_the_cooperative_kernel(pinned_tuners):
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
+def test_training_backward_on_the_cooperative_kernel_replays(pinned_tuners):
+    """The cooperative kernel makes its descriptors in the kernel, so the launch layer's fast path keeps the
+    backward's plan: a second step of the same shapes (fresh tensors) replays both GEMMs, as it does the
+    forward."""
+    M, K, N = 2100, 2056, 4360
+    with stubbed_launches(sms=SMS) as runs, launches.recording() as recs:
+        for step in range(2):
+            x, w, b = (_r(2, M // 2, K, seed=step).requires_grad_(), _r(N, K, seed=1).requires_grad_(),
+                       _r(N, seed=2).requires_grad_())
+            torch.autograd.grad(tilefuse.linear(x, w, b, "gelu"), (x, w, b), _r(2, M // 2, N, seed=3))
+    assert [(r.kernel, r.replay) for r in runs] == [
+        ("linear_tma_kernel", False), ("gemm_coop_ws_kernel", False), ("gemm_coop_ws_kernel", False),
+        ("linear_tma_kernel", True), ("gemm_coop_ws_kernel", True), ("gemm_coop_ws_kernel", True)], runs
+    assert [r.replayed for r in recs] == [False] * 3 + [True] * 3
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
 @pytest.mark.parametrize("case", ["small", "no activation", "switch off", "gated"])
 def test_training_backward_keeps_todays_kernels_elsewhere(pinned_tuners, monkeypatch, case):
     """Below the thresholds, without an activation, with COOP_BACKWARD off and for gated activations, the
@@ -203,8 +220,8 @@ def test_training_backward_keeps_todays_kernels_elsewhere(pinned_tuners, monkeyp
 @pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
 def test_gated_inference_launches_the_cooperative_kernel_and_training_the_tma_kernel(pinned_tuners):
     """SwiGLU at (1000, 1032, 2824) (184 output tiles of 128 x 128) under no_grad: the cooperative kernel, both
-    weights K-major, every call through the full path (host descriptors: no replay); with grad (slopes saved)
-    the TMA kernel."""
+    weights K-major, the second call a replay of the first (its descriptors are made in the kernel, so the fast
+    path keeps the plan); with grad (slopes saved) the TMA kernel."""
     M, K, N = 1000, 1032, 2824
     x, w, b = _r(M, K), _r(2 * N, K, seed=1), _r(2 * N, seed=2)
     with stubbed_launches(sms=SMS) as runs, launches.recording() as recs:
@@ -213,10 +230,10 @@ def test_gated_inference_launches_the_cooperative_kernel_and_training_the_tma_ke
             tilefuse.linear(x, w, b, "swiglu")
         tilefuse.linear(x, w.requires_grad_(), b, "swiglu")
     assert [r.kernel for r in runs] == ["gemm_coop_ws_kernel"] * 2 + ["linear_tma_kernel"]
-    assert not any(r.replay for r in runs)
+    assert [r.replay for r in runs] == [False, True, False]
     cfg = coop.CONFIGS[launch.COOP_GATED_CONFIG]
     want = dict(TRANS_A=False, HAS_SLOPE=False, B_KMAJOR=True, HAS_BIAS=True, ACTIVATION="swiglu", GATED=True,
                 HAS_DB=False, G_SMEM=False, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], NUM_SMS=SMS)
-    assert all({k: r.kwargs[k] for k in want} == want for r in runs[:2]) and runs[0].grid == (SMS,)
+    assert {k: runs[0].kwargs[k] for k in want} == want and runs[0].grid == (SMS,)
     assert runs[2].kwargs["SAVE_SLOPE"]
     assert [r.kernel for r in recs if r.op == "linear"] == ["cooperative warp-specialized"] * 2 + ["tma"]

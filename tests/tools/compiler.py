@@ -215,7 +215,6 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
     from triton.runtime.jit import mangle_type
 
     from tilefuse.kernels.gemm import coop, launch
-    from tilefuse.kernels.gluon_host import host_descriptor
 
     if config is None:
         config = {"forward": coop.DEFAULT, "gated": launch.COOP_GATED_CONFIG}.get(gemm, launch.COOP_BACKWARD_CONFIG)
@@ -223,12 +222,10 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
     trans_a, slope, b_kmajor = {"forward": (False, False, True), "gated": (False, False, True),
                                 "dx": (False, True, False), "dW": (True, True, False)}[gemm]
     t = torch.empty(256, 256, dtype=getattr(torch, dtype))
-    a_box, b_box, c_box = coop.boxes(trans_a, b_kmajor, cfg)
-    a_sig = mangle_type(host_descriptor(t, a_box))
-    b_sig = mangle_type(host_descriptor(t, b_box))
-    signature = dict(a_desc=a_sig, s_desc=a_sig, b_desc=b_sig, bu_desc=b_sig,
-                     c_desc=mangle_type(host_descriptor(t, c_box)), bias_ptr=mangle_type(t),
-                     bias_up_ptr=mangle_type(t), db_ptr=mangle_type(t), Mc="i32", Nc="i32", R="i32")
+    signature = {name: mangle_type(t) for name in ("a_ptr", "s_ptr", "b_ptr", "bu_ptr", "c_ptr", "bias_ptr",
+                                                   "bias_up_ptr", "db_ptr")}
+    signature.update({name: "i32" for name in ("Mc", "Nc", "R", "stride_a", "stride_s", "stride_b", "stride_bu",
+                                               "stride_c")})
     forward = gemm in ("forward", "gated")
     if gemm == "gated" and activation not in ("swiglu", "geglu", "geglu_tanh"):
         activation = "swiglu"

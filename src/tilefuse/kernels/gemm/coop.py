@@ -38,8 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from tilefuse import runtime
 from tilefuse.kernels import fastpath
 from tilefuse.kernels.activations import apply_activation, apply_gated
-from tilefuse.kernels.gluon_host import host_descriptor
-from tilefuse.kernels.tiling import grouped_tile
+from tilefuse.kernels.tiling import ensure_descriptor_allocator, grouped_tile
 from tilefuse.sizes import cdiv
 
 HALF_ROWS = 64  # rows per consumer warpgroup (wgmma's M per warpgroup): an output tile is 2 * HALF_ROWS rows
@@ -226,27 +225,49 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
 
 
 @gluon.jit
-def gemm_coop_ws_kernel(a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr, Mc, Nc, R,
+def gemm_coop_ws_kernel(a_ptr, s_ptr, b_ptr, bu_ptr, c_ptr, bias_ptr, bias_up_ptr, db_ptr, Mc, Nc, R,
+                        stride_a, stride_s, stride_b, stride_bu, stride_c,
                         TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr,
                         ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr, G_SMEM: gl.constexpr,
-                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                        NUM_SMS: gl.constexpr):
     """C[Mc, Nc] = act(op(A) @ B + bias): op(A) = A, A^T (TRANS_A), or either times a slope S (HAS_SLOPE);
     B [R, Nc], or B^T stored [Nc, R] (B_KMAJOR); db = row sums of op(A) (HAS_DB). GATED (without a slope):
-    C = glu(op(A) @ B + bias, op(A) @ B_up + bias_up), the gated activation of the two products."""
-    dtype: gl.constexpr = a_desc.dtype
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0 if TRANS_A else 1]
-    a_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    C = glu(op(A) @ B + bias, op(A) @ B_up + bias_up), the gated activation of the two products. Every operand
+    has a unit inner stride; ``stride_*`` are the row strides."""
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    # The TMA descriptors are made here, once per CTA of the persistent grid: made on the host they cost an
+    # encode per descriptor per call, and the launch layer's fast path cannot replay a call holding them.
+    if TRANS_A:  # A stored [R, Mc]: boxes [BLOCK_K (r), HALF_M (rows of C)]
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], dtype)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [R, Mc], [stride_a, 1], [BLOCK_K, HALF_M], a_layout)
+        s_desc = tma.make_tensor_descriptor(s_ptr, [R, Mc], [stride_s, 1], [BLOCK_K, HALF_M], a_layout)
+    else:
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], dtype)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [Mc, R], [stride_a, 1], [HALF_M, BLOCK_K], a_layout)
+        s_desc = tma.make_tensor_descriptor(s_ptr, [Mc, R], [stride_s, 1], [HALF_M, BLOCK_K], a_layout)
+    if B_KMAJOR:  # B^T stored [Nc, R] (nn.Linear's weight for the forward)
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [Nc, R], [stride_b, 1], [BLOCK_N, BLOCK_K], b_layout)
+        bu_desc = tma.make_tensor_descriptor(bu_ptr, [Nc, R], [stride_bu, 1], [BLOCK_N, BLOCK_K], b_layout)
+    else:
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [R, Nc], [stride_b, 1], [BLOCK_K, BLOCK_N], b_layout)
+        bu_desc = tma.make_tensor_descriptor(bu_ptr, [R, Nc], [stride_bu, 1], [BLOCK_K, BLOCK_N], b_layout)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], dtype)
+    c_desc = tma.make_tensor_descriptor(c_ptr, [Mc, Nc], [stride_c, 1], [HALF_M, BLOCK_N], c_layout)
+    a_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + a_desc.block_type.shape, a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_layout)
     # Buffers a form does not use alias ones it does (never indexed there): no shared memory for them.
     if HAS_SLOPE:
-        s_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + s_desc.block_type.shape, s_desc.layout)
+        s_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + s_desc.block_type.shape, a_layout)
     else:
         s_bufs = a_bufs
     if GATED:
-        bu_bufs = gl.allocate_shared_memory(dtype, [STAGES] + bu_desc.block_type.shape, bu_desc.layout)
+        bu_bufs = gl.allocate_shared_memory(dtype, [STAGES] + bu_desc.block_type.shape, b_layout)
     else:
         bu_bufs = b_bufs
-    c_bufs = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    c_bufs = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_layout)
     if G_SMEM:
         g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], dtype)
         g_bufs = gl.allocate_shared_memory(dtype, [4, HALF_M, BLOCK_K], g_layout)
@@ -278,18 +299,11 @@ def output_tiles(rows: int, cols: int, config: str) -> int:
     return cdiv(rows, 2 * HALF_ROWS) * cdiv(cols, CONFIGS[config]["BLOCK_N"])
 
 
-def boxes(trans_a: bool, b_kmajor: bool, cfg: dict):
-    """Block shapes of the A (and S), B and C descriptors."""
-    bk, bn = cfg["BLOCK_K"], cfg["BLOCK_N"]
-    return (((bk, HALF_ROWS) if trans_a else (HALF_ROWS, bk)), ((bn, bk) if b_kmajor else (bk, bn)),
-            (HALF_ROWS, bn))
-
-
 def constexprs(trans_a, slope, b_kmajor, bias, activation, db, cfg, num_sms, gated=False) -> dict:
     """The kernel's constexprs for one form at ``cfg`` (a CONFIGS entry)."""
     return dict(TRANS_A=trans_a, HAS_SLOPE=slope, B_KMAJOR=b_kmajor, HAS_BIAS=bias, ACTIVATION=activation or "none",
-                GATED=gated, HAS_DB=db, G_SMEM=cfg.get("G_SMEM", False) and slope, STAGES=cfg["STAGES"],
-                GROUP_M=cfg["GROUP_M"], NUM_SMS=num_sms)
+                GATED=gated, HAS_DB=db, G_SMEM=cfg.get("G_SMEM", False) and slope, BLOCK_N=cfg["BLOCK_N"],
+                BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], NUM_SMS=num_sms)
 
 
 def launch(a, s, b, c, *, trans_a=False, b_kmajor=False, bias=None, activation=None, db=None, b_up=None,
@@ -297,18 +311,17 @@ def launch(a, s, b, c, *, trans_a=False, b_kmajor=False, bias=None, activation=N
     """C = act(op(A) @ B + bias) into ``c`` for 16-bit TMA-able operands of one dtype (checked by the caller);
     ``s`` None or the slope (A's shape), ``db`` None or the [Mc] row sums of op(A) to store (with a slope),
     ``b_up`` (with ``bias_up``) the up projection of a gated activation (``activation`` its GLU). One CTA per
-    SM at most; host descriptors (gluon_host), so the launch layer's fast path does not replay it."""
+    SM at most; its descriptors are made in the kernel, so the launch layer's fast path can replay the call."""
     cfg = CONFIGS[config]
     Mc, Nc = c.shape
     R = a.shape[0] if trans_a else a.shape[1]
-    a_box, b_box, c_box = boxes(trans_a, b_kmajor, cfg)
     num_sms = runtime.device_facts(c.device)[1]
-    a_d, b_d = host_descriptor(a, a_box), host_descriptor(b, b_box)
+    ensure_descriptor_allocator()
+    s_ = s if s is not None else a
+    bu = b_up if b_up is not None else b
     fastpath.launch(gemm_coop_ws_kernel, (min(num_sms, output_tiles(Mc, Nc, config)),), (
-        a_d, host_descriptor(s, a_box) if s is not None else a_d, b_d,
-        host_descriptor(b_up, b_box) if b_up is not None else b_d, host_descriptor(c, c_box),
-        bias if bias is not None else c, bias_up if bias_up is not None else c, db if db is not None else c,
-        Mc, Nc, R),
+        a, s_, b, bu, c, bias if bias is not None else c, bias_up if bias_up is not None else c,
+        db if db is not None else c, Mc, Nc, R, a.stride(0), s_.stride(0), b.stride(0), bu.stride(0), c.stride(0)),
         dict(constexprs(trans_a, s is not None, b_kmajor, bias is not None, activation, db is not None, cfg, num_sms,
                         gated=b_up is not None),
              num_warps=4, maxnreg=LAUNCH_MAXNREG))

@@ -19,8 +19,7 @@ config, grid and K split, for tilefuse.linear (plain and gated) and tilefuse.lay
   2048 or more; dW in the weight's row-major layout).
 
 Each entry allocates its output, records what ran (kernels/launches.py) and goes through the family's
-fast path (kernels/fastpath.py); a call that runs the cooperative kernel takes the full path every time (its
-host TMA descriptors are rebuilt per call). Inputs arrive checked and non-empty (tilefuse.ops).
+fast path (kernels/fastpath.py). Inputs arrive checked and non-empty (tilefuse.ops).
 """
 from __future__ import annotations
 
