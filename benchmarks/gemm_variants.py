@@ -2,7 +2,8 @@
 
 For each shape: cuBLAS linear alone, eager linear+gelu, cuBLASLt's GELU epilogue, the portable
 autotuned kernel, every pinned TMA config (with and without tl's warp_specialize, a no-op on sm_90), and
-the warp-specialized Gluon kernel (benchmarks/gemm_ws.py, lab code) in four configs (128x128 or 64x256 per consumer). For each compiled
+the cooperative warp-specialized Gluon kernel (kernels/gemm/coop.py, which the launch takes for the gated forward
+and the backward, not this plain forward) at each of its forward configs. For each compiled
 TMA variant it records registers, spills and whether the PTX uses wgmma. Prints a table and writes
 JSON to the path given (default gemm_variants.json).
 Run on the GPU:  PYTHONPATH=src python3 benchmarks/gemm_variants.py OUT.json [bf16|fp16]
@@ -13,10 +14,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import gemm_ws  # benchmarks/gemm_ws.py: this script's folder is on sys.path when run by path
 import tilefuse
 from tilefuse.harness.timing import bench_ms
 from tilefuse.kernels import launches
+from tilefuse.kernels.gemm import coop
 from tilefuse.kernels.gemm.configs import TMA_GEMM_CONFIGS
 from tilefuse.kernels.gemm.launch import _launch_tma
 from tilefuse.kernels.gemm.tma import linear_tma_kernel
@@ -62,13 +63,14 @@ def main(out_path="gemm_variants.json", dtype_name="bf16"):
         for v in variants:
             _time_variant(row, "tma " + "_".join(f"{k}{val}" for k, val in v.items()), ref, (M, N), dtype,
                           lambda y, v=v: _launch_tma(x, w, b, y, "gelu", config=v))
-        # The warp-specialized Gluon kernel (benchmarks/gemm_ws.py): two consumer warpgroups in ping-pong.
-        for c in (dict(), dict(GROUP_M=16), dict(BLOCK_M=64, BLOCK_N=256), dict(BLOCK_M=64, BLOCK_N=256, STAGES=3)):
-            _time_variant(row, "gluon ws " + ("_".join(f"{k}{val}" for k, val in c.items()) or "default"), ref,
-                          (M, N), dtype, lambda y, c=c: gemm_ws.launch(x, w, b, y, "gelu", config=c))
+        # The cooperative Gluon kernel: a TMA producer warp, two consumer warpgroups per 128-row tile.
+        for c in (name for name, cfg in coop.CONFIGS.items() if not cfg.get("G_SMEM")):
+            _time_variant(row, "gluon coop " + c, ref, (M, N), dtype,
+                          lambda y, c=c: coop.launch(x, None, w, y, b_kmajor=True, bias=b, activation="gelu",
+                                                     config=c))
         rows.append(row)
         ws_rows = {k: v for k, v in row["ms"].items() if k.startswith("gluon")}
-        print("   gluon ws: " + ", ".join(f"{k} {v:.4f} ms" if isinstance(v, float) else f"{k} {v}"
+        print("   gluon coop: " + ", ".join(f"{k} {v:.4f} ms" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in ws_rows.items()), flush=True)
         best = min((v, k) for k, v in row["ms"].items() if isinstance(v, float) and k.startswith("tma"))
         print(f"M{M} K{K} N{N} {dtype_name}: cublas {row['ms']['cublas linear only']:.4f} "

@@ -1,7 +1,6 @@
 """tilefuse.linear: behaviour beyond the registry grid (edges, NaN, errors, paths)."""
 import os
 import subprocess
-from pathlib import Path
 import sys
 
 import pytest
@@ -255,27 +254,6 @@ def test_strided_bias_views_are_read_as_their_elements(device, activation):
         out = tilefuse.linear(x, w, b, activation)
         ref = reference.linear(x.double(), w.double(), b.double(), activation)
     assert_close(out, ref, 1e-5, "strided bias")
-
-
-@pytest.mark.gpu_only
-@pytest.mark.parametrize("config", [{}, {"STAGES": 3, "GROUP_M": 16}])
-@pytest.mark.parametrize("activation,bias,dtype", [("gelu", True, torch.bfloat16), ("none", False, torch.float16),
-                                                   ("silu", True, torch.float16), ("gelu_tanh", False, torch.bfloat16)])
-@pytest.mark.parametrize("M,K,N", [(130, 96, 264), (1000, 2040, 1032), (1, 4096, 4096), (2048, 1024, 4096)])
-def test_warp_specialized_gemm_matches_float64(config, activation, bias, dtype, M, K, N):
-    """The Gluon ping-pong GEMM (benchmarks/gemm_ws.py, lab code, not dispatched) on tails in M, N and K,
-    more tiles than SMs (each consumer takes several; the two alternate), and a single row."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import gemm_ws
-
-    x = _rand(M, K, device="cuda", dtype=dtype)
-    w = _rand(N, K, device="cuda", dtype=dtype, seed=1) * K ** -0.5
-    b = _rand(N, device="cuda", dtype=dtype, seed=3) if bias else None
-    y = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
-    gemm_ws.launch(x, w, b, y, activation, config=config)
-    ref = reference.linear(x.double(), w.double(), b.double() if bias else None,
-                           None if activation == "none" else activation)
-    assert_close(y, ref, REL_L2_BOUND[dtype], f"gluon ws {config} {activation} {M}x{K}x{N}")
 
 
 @pytest.mark.gpu_only

@@ -18,7 +18,6 @@ _TOOLS = os.path.dirname(os.path.abspath(__file__))
 TESTS_DIR = os.path.dirname(_TOOLS)
 REPO_DIR = os.path.dirname(TESTS_DIR)
 SRC_DIR = os.path.join(REPO_DIR, "src")
-BENCHMARKS_DIR = os.path.join(REPO_DIR, "benchmarks")
 
 
 def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: dict, num_warps: int = 4,
@@ -117,7 +116,7 @@ def compile_gluon_sm90(module: str, job: str, kwargs: dict) -> dict:
     constexprs, options): Gluon signatures name tensor descriptors with their shared layouts, built from
     the kernel's host side (the jobs for tilefuse's Gluon kernels are in this module:
     ``compile_gluon_sm90("tools.compiler", "attention_ws_compile_job", {...})`` and
-    ``"gemm_ws_compile_job"``). Runs in a child process under the interpreter, as above."""
+    ``"gemm_coop_ws_compile_job"``). Runs in a child process under the interpreter, as above."""
     if _interpreting():
         return _compile_in_child(f"{module}.{job}", ["--gluon", json.dumps([module, job, kwargs])])
     import triton
@@ -173,35 +172,6 @@ def attention_ws_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_l
         q_sig, kv_sig = mangle_type(_descriptor(t, ws.HALF_M)), mangle_type(_descriptor(t, cfg["BLOCK_N"]))
     signature.update(q_src=q_sig, o_src=q_sig, k_src=kv_sig, v_src=kv_sig, lse_ptr="*fp32")
     return fn, signature, constexprs, dict(num_warps=4, maxnreg=ws.LAUNCH_MAXNREG)
-
-
-def _import_lab(name: str):
-    """A module of benchmarks/ (lab code outside the package), with benchmarks/ on sys.path."""
-    if BENCHMARKS_DIR not in sys.path:
-        sys.path.insert(0, BENCHMARKS_DIR)
-    return importlib.import_module(name)
-
-
-def gemm_ws_compile_job(activation: str = "gelu", has_bias: bool = True, dtype: str = "bfloat16",
-                        config: dict | None = None, num_sms: int = 132):
-    """(kernel, signature, constexprs, options) of benchmarks/gemm_ws.py's linear_ws_kernel, as its
-    ``launch`` launches it. ``config`` overrides entries of its DEFAULT_CONFIG."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
-    from tilefuse.kernels.gluon_host import host_descriptor
-
-    gemm_ws = _import_lab("gemm_ws")
-    cfg = {**gemm_ws.DEFAULT_CONFIG, **(config or {})}
-    t = torch.empty(256, 256, dtype=getattr(torch, dtype))
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    signature = dict(x_desc=mangle_type(host_descriptor(t, (bm, bk))),
-                     w_desc=mangle_type(host_descriptor(t, (bn, bk))),
-                     y_desc=mangle_type(host_descriptor(t, (bm, bn))),
-                     b_ptr=mangle_type(t), M="i32", N="i32", K="i32")
-    constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
-                      NUM_SMS=num_sms)
-    return gemm_ws.linear_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=gemm_ws.LAUNCH_MAXNREG)
 
 
 def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activation: str = "gelu",
