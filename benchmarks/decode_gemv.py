@@ -87,6 +87,10 @@ def bench():
     from tilefuse.harness.timing import graph_ms, measure_ceilings
 
     read_tbps = measure_ceilings().get("read_TBps")
+    # The same replay timing of a bare read of one weight's bytes (a sum over a 4096 x 4096 bf16 buffer): the
+    # floor at this size, where one wave's ramp and drain weigh against the 1 GiB ceiling's steady rate.
+    weight_sized = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    bare_read_ms = graph_ms(lambda: weight_sized.sum(dtype=torch.float32))
     for M in (1, 16, 64):
         g = torch.Generator(device="cuda").manual_seed(M)
         K = N = 4096
@@ -96,6 +100,7 @@ def bench():
         want = F.gelu(x.double() @ w.double().t() + b.double())
         weight_bytes = w.numel() * 2 + x.numel() * 2 + M * N * 2
         row = {"M": M, "K": K, "N": N, "read_ceiling_TBps": read_tbps, "bytes": weight_bytes,
+               "bare_read_of_weight_ms": bare_read_ms,
                "tilefuse_ms": graph_ms(lambda: tilefuse.linear(x, w, b, activation="gelu")),
                "eager_ms": graph_ms(lambda: F.gelu(F.linear(x, w, b))),
                "cublaslt_gelu_ms": graph_ms(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True))}
