@@ -22,7 +22,7 @@ from tools.host_path import stubbed_launches  # noqa: E402
 # One small case per op: the host path does not depend on the size (CPU allocations of bench-size
 # tensors would add malloc time the GPU's caching allocator does not have).
 SMALL_SHAPES = {
-    "linear": [(512, 1024, 1024), (16, 4096, 4096)],  # the TMA path; the split-K (decode) path
+    "linear": [(512, 1024, 1024), (16, 4096, 4096)],  # the TMA path; the decode kernel
     "gated_linear": [(512, 1024, 1024)],
     "layer_norm": [(64, 4096)], "rms_norm": [(64, 4096)],
     "layer_norm_backward": [(64, 4096)], "rms_norm_backward": [(64, 4096)],

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch pat
 # One small case per op (bench_cases[0] with this shape) and the kernels one call must launch.
 CASES = {
     "linear": ((512, 1024, 1024), ["linear_tma_kernel"]),
-    "linear decode": ((16, 4096, 4096), ["linear_epilogue_kernel"]),  # split-K, one launch
+    "linear decode": ((16, 4096, 4096), ["decode_linear_kernel"]),  # the decode kernel: the weight read once
     "gated_linear": ((512, 1024, 1024), ["linear_tma_kernel"]),
     "layer_norm": ((64, 4096), ["norm_fwd_kernel"]),
     "rms_norm": ((64, 4096), ["norm_fwd_kernel"]),

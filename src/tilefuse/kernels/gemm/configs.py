@@ -42,6 +42,13 @@ SPLIT_K_GEMM_CONFIGS = [
 ]
 SPLIT_K_ALIGN = 128
 
+# Decode kernel (decode.py) by its row tile: 32 columns per program (4096 / 32 = 128 programs for 132 SMs) and the
+# K tile and depth that measured fastest on the H200 at K = N = 4096 (benchmarks/decode_gemv.py): 512-deep tiles
+# at 4 stages up to 16 rows; with 32 or 64 rows the x tile grows, and 128-deep tiles at 6 stages fit (144 KB).
+DECODE_GEMM_CONFIGS = {16: dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=4),
+                       64: dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6)}
+DECODE_INTERPRETER = dict(BLOCK_N=16, BLOCK_K=32)
+
 TMA_GEMM_CONFIGS = [
     dict(bm=128, bn=256, bk=64, stages=3, warps=8),
     dict(bm=128, bn=128, bk=64, stages=4, warps=8),

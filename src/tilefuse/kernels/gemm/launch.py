@@ -6,8 +6,9 @@ config, grid and K split, for tilefuse.linear (plain and gated) and tilefuse.lay
   weight and lets the TMA GEMM normalize in its epilogue. The gated forward without slopes (inference) on
   sm_90 with at least one output tile per SM: the cooperative warp-specialized Gluon kernel (coop.py,
   ``coop_gated``).
-- Small M (decode, M <= 64 with K >= 1024): the portable kernel with K split over programs, reduced in
-  the same launch (portable.py, SPLIT_K).
+- Small M (decode, M <= 64 with K >= 1024): with 16-bit operands, N wide enough for a wave of its 32-column
+  programs and no slopes or gate, the decode kernel (decode.py: the weight read once, no K split); otherwise
+  the portable kernel with K split over programs, reduced in the same launch (portable.py, SPLIT_K).
 - Everything else, and the interpreter: the portable kernel; layer_norm_linear with a statistics
   pre-pass (the norms family's kernel) and normalization in the GEMM's prologue (norm_prologue.py).
 - Training: every forward entry takes ``save_slope`` and then also returns the activation's slope(s)
@@ -30,6 +31,8 @@ import torch
 from tilefuse import runtime, sizes, tuning
 from tilefuse.kernels import fastpath, launches
 from tilefuse.kernels.gemm import configs, coop
+from tilefuse.kernels.gemm.decode import block_m as decode_block_m
+from tilefuse.kernels.gemm.decode import decode_linear_kernel
 from tilefuse.kernels.gemm.backward import grad_input_kernel, grad_weight_kernel, grad_weight_tma_kernel
 from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
@@ -109,6 +112,37 @@ def split_k_for(M: int, N: int, K: int, num_sms: int) -> int:
         return 1
     tiles = cdiv(M, 64) * cdiv(N, 64)
     return max(1, min(16, cdiv(2 * num_sms, tiles), K // 512))
+
+
+# The decode kernel (decode.py) where it measured faster than split-K (H200, K = N = 4096: 1.09-1.39x, weights
+# cold): its programs are N / 32 column slabs, so N must give the SMs about a wave of them (4096: 128 programs
+# for 132 SMs); with fewer, split-K keeps the SMs busy. False leaves decode shapes to split-K.
+DECODE_KERNEL = True
+DECODE_MIN_WAVE = 0.95
+
+
+def decode_usable(M: int, N: int, K: int, x2d, w: torch.Tensor, path: str, gated: bool, save_slope: bool,
+                  device) -> bool:
+    """Whether a small-M Linear runs the decode kernel: the compiled path, M <= 64 and K >= 1024 (split-K's
+    domain), 16-bit operands, x as rows with a unit inner stride (``x2d``, else None), W with a unit inner
+    stride, no gate and no slopes to store, and at least DECODE_MIN_WAVE of a wave of 32-column programs."""
+    if not (DECODE_KERNEL and path == runtime.COMPILED and M <= 64 and K >= 1024 and x2d is not None
+            and not gated and not save_slope and w.dtype in (torch.float16, torch.bfloat16) and w.stride(1) == 1):
+        return False
+    bn = configs.DECODE_GEMM_CONFIGS[16]["BLOCK_N"]
+    return cdiv(N, bn) >= DECODE_MIN_WAVE * runtime.device_facts(device)[1]
+
+
+def _launch_decode(x2d, w, b, y2d, activation, interpret: bool) -> dict:
+    """The decode kernel into y2d; returns the config used."""
+    M, K = x2d.shape
+    N = w.shape[0]
+    bm = decode_block_m(M)
+    cfg = configs.DECODE_INTERPRETER if interpret else configs.DECODE_GEMM_CONFIGS[16 if bm <= 16 else 64]
+    fastpath.launch(decode_linear_kernel, (cdiv(N, cfg["BLOCK_N"]),), (
+        x2d, w, b if b is not None else y2d, y2d, M, N, K, x2d.stride(0), w.stride(0), y2d.stride(0)),
+        dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", BLOCK_M=bm, **cfg))
+    return cfg
 
 
 def split_k_slices(M: int, N: int, K: int, path: str, device) -> int:
@@ -294,6 +328,12 @@ def _linear(x, w, b, w_up, b_up, activation, precision, path, save_slope):
     slopes = tuple(t.view(M, N) for t in saved)
     out = (y, *saved) if save_slope else y
     compiled = path == runtime.COMPILED
+    if compiled and s_k == 1 and (s_outer == 0 or m_inner == M) and x.dtype != torch.float32:
+        x_dec = x_rows.as_strided((M, K), (s_inner, 1))
+        if decode_usable(M, N, K, x_dec, w, path, gated, save_slope, x.device):
+            cfg = _launch_decode(x_dec, w, b, y2d, activation, interpret=False)
+            launches.record("linear", path, "decode", lambda: tuning.describe(cfg))
+            return out
     split_k = split_k_slices(M, N, K, path, x.device)
     if (compiled and split_k == 1 and x.dtype != torch.float32 and s_k == 1
             and (s_outer == 0 or m_inner == M)):
