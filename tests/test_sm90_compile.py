@@ -501,3 +501,17 @@ def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel):
     # unless the kernel pins them, and the kernel must still compile (split == 1 once did not).
     compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1,
                  ones=("M", "v0", "split", "splits") if kernel == "lce_chunk_stats_kernel" else ("M", "v0"))
+
+
+@pytest.mark.parametrize("rows", [16, 32, 64])
+def test_decode_kernel_configs_fit_and_do_not_spill(rows):
+    """The decode kernel (kernels/gemm/decode.py) at each shipped config, by its row tile (16: 512-deep K tiles
+    at 4 stages; 32 and 64: 128-deep at 6): the stages fit the H200's shared memory, and nothing spills."""
+    from tilefuse.kernels.gemm import configs
+
+    cfg = dict(configs.DECODE_GEMM_CONFIGS[16 if rows <= 16 else 64])
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym")  # K = N = 4096
+    facts = compile_sm90("tilefuse.kernels.gemm.decode", "decode_linear_kernel", {"*": "*bf16"},
+                         dict(HAS_BIAS=True, ACTIVATION="gelu", BLOCK_M=rows, **cfg), warps, stages, aligned)
+    assert facts["shared"] <= configs.SMEM_LIMIT and facts["spill_store_bytes"] == 0, facts
