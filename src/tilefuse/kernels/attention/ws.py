@@ -23,6 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head
+from tilefuse.kernels.wgmma import accumulator_layout, register_operand_layout
 
 HALF_M = gl.constexpr(64)           # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 BLOCK_M = gl.constexpr(2 * HALF_M)  # query rows per CTA
@@ -161,11 +162,9 @@ def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
     q_ready, k_ready, v_ready, k_empty, v_empty, turns = bars
     b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, group, pid_bh = params
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = accumulator_layout(BLOCK_N)
+    o_layout: gl.constexpr = accumulator_layout(HEAD_D)
+    p_layout: gl.constexpr = register_operand_layout(o_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     rows0 = m0 + WHICH * HALF_M

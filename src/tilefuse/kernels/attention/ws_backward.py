@@ -26,6 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from tilefuse.kernels.wgmma import accumulator_layout, register_operand_layout
+
 KEYS = 64  # keys per consumer warpgroup: a CTA's key block is 2 * KEYS
 HALF_N = gl.constexpr(KEYS)
 BLOCK_M = gl.constexpr(64)  # query rows per ring step
@@ -89,11 +91,9 @@ def _consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.con
     b, h_kv, n0, N_Q, N_K, group, qk_scale, scale, pos_offset, window_right, H_Q = params
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = accumulator_layout(BLOCK_M)
+    acc_layout: gl.constexpr = accumulator_layout(HEAD_D)
+    op_layout: gl.constexpr = register_operand_layout(acc_layout)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # along S^T's rows (keys)
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # along its columns (queries)
 
@@ -229,11 +229,9 @@ def _dq_consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.
     b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh = params
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_KEYS, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = accumulator_layout(BLOCK_KEYS)
+    acc_layout: gl.constexpr = accumulator_layout(HEAD_D)
+    op_layout: gl.constexpr = register_operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows0 = m0 + WHICH * BLOCK_M

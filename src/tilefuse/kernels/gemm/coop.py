@@ -39,6 +39,7 @@ from tilefuse import runtime
 from tilefuse.kernels import fastpath
 from tilefuse.kernels.activations import apply_activation, apply_gated
 from tilefuse.kernels.tiling import ensure_descriptor_allocator, grouped_tile
+from tilefuse.kernels.wgmma import accumulator_layout, register_operand_layout
 from tilefuse.sizes import cdiv
 
 HALF_ROWS = 64  # rows per consumer warpgroup (wgmma's M per warpgroup): an output tile is 2 * HALF_ROWS rows
@@ -131,9 +132,8 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     dtype: gl.constexpr = a_desc.dtype
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    acc_layout: gl.constexpr = accumulator_layout(BLOCK_N)
+    a_layout: gl.constexpr = register_operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, a_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     num_pid_m, num_pid_n, k_steps = _counts(a_desc, c_desc, sizes, TRANS_A)
