@@ -13,4 +13,4 @@ report: setup
 
 # The tests: the real Triton kernels, in the interpreter on a CPU, compiled on a GPU.
 test: setup
-	$(PY) -m pytest -q -n 2 $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)
