@@ -15,7 +15,7 @@
 # without the launch layer's fast path, and the tree carried in .carry/old/src when there is one),
 # REPORT_ARGS extra arguments for `tilefuse report`, split as a shell would (quotes group words, no globbing:
 # REPORT_ARGS="--anchors 'eager unfused' 'torch.compile.*'"), LABS=1 to run the Gluon labs' benches after the tests
-# (benchmarks/gemm_coop_ws.py bench and forward), or LABS="lab:command ..." for
+# (benchmarks/gemm_coop_ws.py bench and forward, attention_bwd_wide.py and decode_gemv.py bench), or LABS="lab:command ..." for
 # some of them (e.g. LABS="gemm_coop_ws:forward"); LAB_LIMIT seconds each (default 150), each into
 # $OUT/lab_<lab>_<command>.jsonl.
 set -u
@@ -88,7 +88,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${LABS:-0}" != 0 ]; then
   LAB_LIST=${LABS}
-  [ "$LAB_LIST" = 1 ] && LAB_LIST="gemm_coop_ws:bench gemm_coop_ws:forward"
+  [ "$LAB_LIST" = 1 ] && LAB_LIST="gemm_coop_ws:bench gemm_coop_ws:forward attention_bwd_wide:bench decode_gemv:bench"
   for lab in $LAB_LIST; do
     set -- ${lab%%:*} ${lab#*:}
     timeout "${LAB_LIMIT:-150}" python3 "benchmarks/$1.py" "$2" > "$OUT/lab_$1_$2.jsonl" 2> "$OUT/lab_$1_$2.log"

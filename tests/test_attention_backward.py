@@ -333,3 +333,29 @@ def test_warp_specialized_backward_with_lse_gradient_windows_and_strided_grads()
     qh, kh, vh = (t.transpose(1, 2) for t in x.unbind(0))
     assert run(lambda *t: tilefuse.attention(*t, causal=True).sum(), qh, kh, vh, (torch.ones((), device="cuda"),),
                lambda *t: ref_attention.attention(*t, causal=True).sum()) == ["ws"]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("d", [160, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(1, 2, 1, 300, 300), (2, 4, 2, 200, 457), (1, 2, 1, 457, 200)])
+def test_wide_head_dkdv_pass_matches_float64(B, Hq, Hkv, Nq, Nk, causal, d):
+    """The lab dK/dV pass for head dims past 128 (benchmarks/attention_bwd_wide.py, not dispatched: one consumer
+    per output) on the forward's own lse and D = rowsum(dO * O): GQA, Nq != Nk both ways (bottom-right causal,
+    rows that see no key), tails in both lengths, several key blocks, against float64 autograd."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention_bwd_wide
+
+    q = _r(B, Hq, Nq, d, device="cuda")
+    k, v = _r(B, Hkv, Nk, d, seed=1, device="cuda"), _r(B, Hkv, Nk, d, seed=2, device="cuda")
+    do = _r(B, Hq, Nq, d, seed=3, device="cuda")
+    out, lse = tilefuse.attention(q, k, v, causal=causal, return_lse=True)
+    delta = (do.float() * out.float()).sum(-1).contiguous()
+    _, want_dk, want_dv = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=causal), (q, k, v),
+                                   (do,))
+    dk, dv = attention_bwd_wide.dkdv(q, k, v, do, lse.contiguous(), delta, scale=d ** -0.5, causal=causal)
+    assert_close(dk, want_dk, BOUND, f"wide d{d} dK")
+    assert_close(dv, want_dv, BOUND, f"wide d{d} dV")
