@@ -1,5 +1,6 @@
-"""Lab: the attention backward's dK/dV pass for head dims past 128 (160, 192, 256 in 256-wide tiles), issue 18's
-fast Hopper path for wide heads. Not dispatched: nothing in src/ imports it.
+"""Lab: the attention backward's passes for head dims past 128 (160, 192, 256 in 256-wide tiles), issue 18's fast
+Hopper path for wide heads: a dK/dV pass of its own, and the shipped dQ pass in 256-wide tiles with 32-key K/V
+steps (``dq``). Not dispatched: nothing in src/ imports it.
 
 The shipped Gluon pass (src/tilefuse/kernels/attention/ws_backward.py) gives each consumer warpgroup 64 keys with
 both its dK and its dV accumulators: two [64, d] fp32 tiles are 2 * d / 2 registers a thread, 256 at d 256, past
@@ -28,6 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from tilefuse.kernels.attention import ws_backward
 from tilefuse.kernels.attention.ws_backward import _fill_slot, _query_range
 from tilefuse.kernels.gluon_host import host_descriptor
 from tilefuse.kernels.wgmma import accumulator_layout, register_operand_layout
@@ -188,17 +190,42 @@ def dkdv(q, k, v, dout, lse, delta, *, scale: float, causal: bool, stages: int =
     return dk, dv
 
 
-def compile_job(causal: bool = True, dtype: str = "bfloat16", head_dim: int = 256, stages: int = STAGES):
-    """(kernel, signature, constexprs, options) as ``dkdv`` launches it, for tests/tools/compiler.py."""
+DQ_KEYS = 32  # the shipped dQ pass's ring step at d 256: 2 stages of 32-key K and V tiles beside 128 rows of Q, dO
+
+
+def dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool, stages: int = STAGES):
+    """dq for the arguments of ``dkdv``: the shipped Gluon dQ pass (ws_backward.attention_bwd_dq_ws_kernel) in
+    256-wide tiles, its K/V ring stepping DQ_KEYS keys (64-key tiles would not fit shared memory at d 256)."""
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if not 128 < d <= TILE:
+        raise ValueError(f"head dim {d}: this pass takes 128 < d <= 256")
+    out = torch.empty_like(q)
+    rows, keys = (1, 1, 64, TILE), (1, 1, DQ_KEYS, TILE)
+    ws_backward.attention_bwd_dq_ws_kernel[(cdiv(Nq, ws_backward.QUERY_ROWS), B * Hq)](
+        host_descriptor(q, rows), host_descriptor(k, keys), host_descriptor(v, keys), host_descriptor(dout, rows),
+        host_descriptor(out, rows), lse, delta, Hq, Hkv, Nq, Nk, scale * 1.4426950408889634, scale, Nk - Nq, 0,
+        HAS_RIGHT=causal, STAGES=stages, num_warps=4, maxnreg=LAUNCH_MAXNREG)
+    return out
+
+
+def compile_job(causal: bool = True, dtype: str = "bfloat16", head_dim: int = 256, stages: int = STAGES,
+                which: str = "dkdv"):
+    """(kernel, signature, constexprs, options) as ``dkdv`` (``which`` "dkdv") or ``dq`` ("dq") launches it, for
+    tests/tools/compiler.py."""
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
     sig = mangle_type(host_descriptor(t, (1, 1, KEYS, TILE)))
-    signature = dict(q_desc=sig, k_desc=sig, v_desc=sig, do_desc=sig, dk_desc=sig, dv_desc=sig, lse_ptr="*fp32",
-                     delta_ptr="*fp32", H_Q="i32", H_KV="i32", N_Q="i32", N_K="i32", qk_scale="fp32", scale="fp32",
-                     pos_offset="i32", window_right="i32")
-    return (attention_bwd_dkdv_wide_kernel, signature, dict(HAS_RIGHT=causal, STAGES=stages),
-            dict(num_warps=4, maxnreg=LAUNCH_MAXNREG))
+    rest = dict(lse_ptr="*fp32", delta_ptr="*fp32", H_Q="i32", H_KV="i32", N_Q="i32", N_K="i32", qk_scale="fp32",
+                scale="fp32", pos_offset="i32", window_right="i32")
+    options = dict(num_warps=4, maxnreg=LAUNCH_MAXNREG)
+    if which == "dq":
+        kv_sig = mangle_type(host_descriptor(t, (1, 1, DQ_KEYS, TILE)))
+        signature = dict(q_desc=sig, k_desc=kv_sig, v_desc=kv_sig, do_desc=sig, dq_desc=sig, **rest)
+        return ws_backward.attention_bwd_dq_ws_kernel, signature, dict(HAS_RIGHT=causal, STAGES=stages), options
+    signature = dict(q_desc=sig, k_desc=sig, v_desc=sig, do_desc=sig, dk_desc=sig, dv_desc=sig, **rest)
+    return attention_bwd_dkdv_wide_kernel, signature, dict(HAS_RIGHT=causal, STAGES=stages), options
 
 
 # ---- lab commands ------------------------------------------------------------------------------------
@@ -210,17 +237,18 @@ def compile_facts():
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
     from tools.compiler import compile_gluon_sm90
 
-    for causal in (False, True):
-        for stages in (1, 2):
-            facts = compile_gluon_sm90("tools.compiler", "attention_bwd_wide_compile_job",
-                                       dict(causal=causal, stages=stages))
-            print(json.dumps(dict(causal=causal, stages=stages, **facts)), flush=True)
+    for which in ("dkdv", "dq"):
+        for causal in (False, True):
+            for stages in (1, 2):
+                facts = compile_gluon_sm90("tools.compiler", "attention_bwd_wide_compile_job",
+                                           dict(causal=causal, stages=stages, which=which))
+                print(json.dumps(dict(which=which, causal=causal, stages=stages, **facts)), flush=True)
 
 
 def bench():
-    """Each case: the portable backward as the launch runs it at d > 128 (row-dot, dK/dV, dQ), then this pass's
-    dK/dV against it (rel-L2) and its time and TFLOP/s (four GEMMs of 2 * N * N * d counted, as the shipped
-    pass's bench counts them)."""
+    """Each case: the portable backward as the launch runs it at d > 128 (row-dot, dK/dV, dQ), then this lab's
+    dK/dV and dQ passes against it (rel-L2), each pass's time and TFLOP/s (its GEMMs counted: four of
+    2 * N * N * d for dK/dV, three for dQ)."""
     from triton.testing import do_bench
 
     import tilefuse
@@ -242,17 +270,22 @@ def bench():
             return launch.backward(dout, q, k, v, out, lse, None, None, scale, 0, -1, 0 if causal else -1,
                                    "compiled")
 
-        _, dk_ref, dv_ref = portable()
+        dq_ref, dk_ref, dv_ref = portable()
         row = {"case": [B, Hq, Hkv, N, d, causal], "portable_backward_ms": do_bench(portable)}
-        try:
-            dk, dv = dkdv(q, k, v, dout, lse, delta, scale=scale, causal=causal)
-            torch.cuda.synchronize()
-            row["rel_l2_vs_portable_dk_dv"] = [rel(dk, dk_ref), rel(dv, dv_ref)]
-            ms = do_bench(lambda: dkdv(q, k, v, dout, lse, delta, scale=scale, causal=causal))
-            row["wide_dkdv_ms"] = ms
-            row["wide_dkdv_tflops"] = 8 * B * Hq * N * N * d * (0.5 if causal else 1.0) / ms / 1e9
-        except Exception as e:  # reported, the other cases still run
-            row["wide_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        flops = 8 * B * Hq * N * N * d * (0.5 if causal else 1.0)  # four GEMMs of 2 * N * N * d
+        for name, run, share in (("dkdv", lambda: dkdv(q, k, v, dout, lse, delta, scale=scale, causal=causal), 1.0),
+                                 ("dq", lambda: dq(q, k, v, dout, lse, delta, scale=scale, causal=causal), 0.75)):
+            try:
+                got = run()
+                torch.cuda.synchronize()
+                want = (dk_ref, dv_ref) if name == "dkdv" else (dq_ref,)
+                row[f"rel_l2_vs_portable_{name}"] = [rel(a, b) for a, b in zip(got if name == "dkdv" else (got,),
+                                                                               want)]
+                ms = do_bench(run)
+                row[f"wide_{name}_ms"] = ms
+                row[f"wide_{name}_tflops"] = flops * share / ms / 1e9
+            except Exception as e:  # reported, the other cases still run
+                row[f"wide_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(row), flush=True)
 
 

@@ -339,9 +339,9 @@ def test_warp_specialized_backward_with_lse_gradient_windows_and_strided_grads()
 @pytest.mark.parametrize("d", [160, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(1, 2, 1, 300, 300), (2, 4, 2, 200, 457), (1, 2, 1, 457, 200)])
-def test_wide_head_dkdv_pass_matches_float64(B, Hq, Hkv, Nq, Nk, causal, d):
-    """The lab dK/dV pass for head dims past 128 (benchmarks/attention_bwd_wide.py, not dispatched: one consumer
-    per output) on the forward's own lse and D = rowsum(dO * O): GQA, Nq != Nk both ways (bottom-right causal,
+def test_wide_head_backward_passes_match_float64(B, Hq, Hkv, Nq, Nk, causal, d):
+    """The lab passes for head dims past 128 (benchmarks/attention_bwd_wide.py, not dispatched: its dK/dV pass
+    with one consumer per output, the shipped dQ pass in 256-wide tiles) on the forward's own lse and D = rowsum(dO * O): GQA, Nq != Nk both ways (bottom-right causal,
     rows that see no key), tails in both lengths, several key blocks, against float64 autograd."""
     import sys
     from pathlib import Path
@@ -354,8 +354,11 @@ def test_wide_head_dkdv_pass_matches_float64(B, Hq, Hkv, Nq, Nk, causal, d):
     do = _r(B, Hq, Nq, d, seed=3, device="cuda")
     out, lse = tilefuse.attention(q, k, v, causal=causal, return_lse=True)
     delta = (do.float() * out.float()).sum(-1).contiguous()
-    _, want_dk, want_dv = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=causal), (q, k, v),
-                                   (do,))
-    dk, dv = attention_bwd_wide.dkdv(q, k, v, do, lse.contiguous(), delta, scale=d ** -0.5, causal=causal)
+    want_dq, want_dk, want_dv = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=causal),
+                                         (q, k, v), (do,))
+    args = (q, k, v, do, lse.contiguous(), delta)
+    dk, dv = attention_bwd_wide.dkdv(*args, scale=d ** -0.5, causal=causal)
+    dq = attention_bwd_wide.dq(*args, scale=d ** -0.5, causal=causal)
+    assert_close(dq, want_dq, BOUND, f"wide d{d} dQ")
     assert_close(dk, want_dk, BOUND, f"wide d{d} dK")
     assert_close(dv, want_dv, BOUND, f"wide d{d} dV")

@@ -517,12 +517,13 @@ def test_decode_kernel_configs_fit_and_do_not_spill(rows):
     assert facts["shared"] <= configs.SMEM_LIMIT and facts["spill_store_bytes"] == 0, facts
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_wide_head_attention_backward_compiles(causal):
-    """The dK/dV pass for head dims past 128 (benchmarks/attention_bwd_wide.py, lab code): one consumer per output
-    (dV, dK), each a [64, 256] fp32 accumulator beside its score tiles: partitions, setmaxnreg 24/240, P^T and
-    dS^T as wgmma's register operand, no spills, wgmmas not serialised, two ring stages within shared memory."""
-    facts = compile_gluon_sm90("tools.compiler", "attention_bwd_wide_compile_job", dict(causal=causal))
+@pytest.mark.parametrize("which,causal", [("dkdv", False), ("dkdv", True), ("dq", True)])
+def test_wide_head_attention_backward_compiles(which, causal):
+    """The passes for head dims past 128 (benchmarks/attention_bwd_wide.py, lab code): its dK/dV pass with one
+    consumer per output (dV, dK), each a [64, 256] fp32 accumulator beside its score tiles, and the shipped dQ
+    pass in 256-wide tiles with 32-key K/V steps: partitions, setmaxnreg 24/240, P^T and dS^T (dS) as wgmma's
+    register operand, no spills, wgmmas not serialised, two ring stages within shared memory."""
+    facts = compile_gluon_sm90("tools.compiler", "attention_bwd_wide_compile_job", dict(causal=causal, which=which))
     assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
     assert not facts["wgmma_serialized"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts

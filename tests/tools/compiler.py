@@ -205,14 +205,15 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
 
 
 def attention_bwd_wide_compile_job(causal: bool = True, dtype: str = "bfloat16", head_dim: int = 256,
-                                   stages: int | None = None):
-    """(kernel, signature, constexprs, options) of benchmarks/attention_bwd_wide.py's dK/dV pass for head dims past
-    128 (lab code, not dispatched), as its ``dkdv`` launches it."""
+                                   stages: int | None = None, which: str = "dkdv"):
+    """(kernel, signature, constexprs, options) of benchmarks/attention_bwd_wide.py's passes for head dims past 128
+    (lab code, not dispatched): its dK/dV pass (``which`` "dkdv", as ``dkdv`` launches it) or the shipped dQ pass
+    in 256-wide tiles ("dq", as ``dq`` launches it)."""
     lab_dir = os.path.join(REPO_DIR, "benchmarks")
     if lab_dir not in sys.path:
         sys.path.insert(0, lab_dir)
     lab = importlib.import_module("attention_bwd_wide")
-    return lab.compile_job(causal=causal, dtype=dtype, head_dim=head_dim, stages=stages or lab.STAGES)
+    return lab.compile_job(causal=causal, dtype=dtype, head_dim=head_dim, stages=stages or lab.STAGES, which=which)
 
 
 def attention_bwd_ws_compile_job(head_dim: int = 128, causal: bool = True, dtype: str = "bfloat16",

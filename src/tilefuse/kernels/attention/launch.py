@@ -372,7 +372,7 @@ def _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, *, scale, pos_offset, wi
     fastpath.launch(ws_backward.attention_bwd_dkdv_ws_kernel, (cdiv(Nk, 2 * ws_backward.KEYS), B * Hkv), (
         q_d, host_descriptor(k, keys), host_descriptor(v, keys), do_d, host_descriptor(dk, keys),
         host_descriptor(dv, keys), lse, delta, *positions), flags)
-    # The dQ pass reads K and V in tiles of its own ring's key count (BLOCK_KEYS = BLOCK_M rows).
+    # The dQ pass's ring steps over keys in its K descriptor's box rows: 64, as its query tiles.
     fastpath.launch(ws_backward.attention_bwd_dq_ws_kernel, (cdiv(Nq, ws_backward.QUERY_ROWS), B * Hq), (
         q_d, host_descriptor(k, rows), host_descriptor(v, rows), do_d, host_descriptor(dq, rows), lse, delta,
         *positions), flags)

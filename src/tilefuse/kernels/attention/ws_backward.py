@@ -190,8 +190,8 @@ def attention_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
 # ---- the dQ pass ------------------------------------------------------------------------------------
 # Per CTA 128 query rows of one query head (two consumers of 64), the key tiles they see through a ring of K and
 # V: S = Q K^T and dP = dO V^T together, P, dS = P (dP - D), dQ += dS K (dS the register operand). The forward's
-# structure (ws.py) with dS in place of P.
-BLOCK_KEYS = gl.constexpr(64)  # keys per ring step of the dQ pass
+# structure (ws.py) with dS in place of P. Keys per ring step: the K descriptor's box rows (the launch's 64;
+# wider heads need fewer for the ring to fit).
 
 
 @gluon.jit
@@ -209,6 +209,7 @@ def _dq_producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.
     q_bufs, do_bufs, k_bufs, v_bufs = bufs
     q_ready, ready, empty = bars
     b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh = params
+    BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + c * BLOCK_M, 0], q_ready, q_bufs.index(c))
@@ -228,6 +229,7 @@ def _dq_consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.
     q_ready, ready, empty = bars
     b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh = params
     STAGES: gl.constexpr = k_bufs.type.shape[0]
+    BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = accumulator_layout(BLOCK_KEYS)
     acc_layout: gl.constexpr = accumulator_layout(HEAD_D)
