@@ -124,3 +124,23 @@ def tma_launch_device(monkeypatch):
     monkeypatch.setattr(launch, "tma_device", lambda t: True)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
     return torch.device("cpu")
+
+
+@pytest.fixture
+def pinned_tuners(monkeypatch):
+    """Every autotuner picks its first pruned config, as the GPU tests do (TILEFUSE_AUTOTUNE=0), with
+    fresh in-process caches so this test settles its own keys; no fast-path plan survives from before."""
+    from tilefuse import tuning
+    from tilefuse.kernels import fastpath
+    from tilefuse.kernels.attention import launch as _a  # noqa: F401  (each family's tuners, registered)
+    from tilefuse.kernels.gemm import launch as _g  # noqa: F401
+    from tilefuse.kernels.norms import launch as _n  # noqa: F401
+    from tilefuse.kernels.softmax import launch as _s  # noqa: F401
+
+    tuners = list(tuning.autotuner._TUNERS.values())
+    for t in tuners:
+        monkeypatch.setattr(t, "pinned", True)
+        monkeypatch.setattr(t, "cache", {})
+    fastpath.clear_all()
+    yield tuners
+    fastpath.clear_all()

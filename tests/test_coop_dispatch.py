@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tilefuse
-from tilefuse import runtime, tuning
-from tilefuse.kernels import fastpath, launches
+from tilefuse import runtime
+from tilefuse.kernels import launches
 from tilefuse.kernels.gemm import coop, launch
 from tools.host_path import stubbed_launches
 
@@ -135,18 +135,6 @@ def test_gated_keeps_todays_path_outside_its_cases(hopper, monkeypatch):
 
 
 # ---- the public calls, compiled path stubbed -----------------------------------------------------------
-@pytest.fixture
-def pinned_tuners(monkeypatch):
-    """Every autotuner picks its first pruned config, with fresh caches; no fast-path plan from before."""
-    tuners = list(tuning.autotuner._TUNERS.values())
-    for t in tuners:
-        monkeypatch.setattr(t, "pinned", True)
-        monkeypatch.setattr(t, "cache", {})
-    fastpath.clear_all()
-    yield
-    fastpath.clear_all()
-
-
 def _r(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(BF16)
 

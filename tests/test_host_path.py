@@ -37,23 +37,6 @@ CASES = {
 }
 
 
-@pytest.fixture
-def pinned_tuners(monkeypatch):
-    """Every autotuner picks its first pruned config, as the GPU tests do (TILEFUSE_AUTOTUNE=0), with
-    fresh in-process caches so this test settles its own keys; no fast-path plan survives from before."""
-    from tilefuse.kernels.attention import launch as _a  # noqa: F401
-    from tilefuse.kernels.gemm import launch as _g  # noqa: F401
-    from tilefuse.kernels.norms import launch as _n  # noqa: F401
-    from tilefuse.kernels.softmax import launch as _s  # noqa: F401
-    tuners = list(tuning.autotuner._TUNERS.values())
-    for t in tuners:
-        monkeypatch.setattr(t, "pinned", True)
-        monkeypatch.setattr(t, "cache", {})
-    fastpath.clear_all()
-    yield tuners
-    fastpath.clear_all()
-
-
 def _strip(kwargs):
     return {k: v for k, v in kwargs.items() if k != "grid"}
 

@@ -7,8 +7,7 @@ import torch.nn.functional as F
 
 import tilefuse
 from helpers import ON_GPU, assert_close
-from tilefuse import tuning
-from tilefuse.kernels import fastpath, launches
+from tilefuse.kernels import launches
 from tilefuse.kernels.gemm import launch
 from tilefuse.opspec import REL_L2_BOUND
 from tools.host_path import stubbed_launches
@@ -37,17 +36,6 @@ def test_decode_kernel_matches_float64(M, activation, bias, device):
     y = torch.full((M, N), float("nan"), dtype=x.dtype, device=device)
     launch._launch_decode(x, w, b, y, activation, interpret=device.type == "cpu")
     assert_close(y, _want(x, w, b, activation), REL_L2_BOUND[DTYPE], f"M{M}")
-
-
-@pytest.fixture
-def pinned_tuners(monkeypatch):
-    """Every autotuner picks its first pruned config, with fresh caches; no fast-path plan from before."""
-    for t in tuning.autotuner._TUNERS.values():
-        monkeypatch.setattr(t, "pinned", True)
-        monkeypatch.setattr(t, "cache", {})
-    fastpath.clear_all()
-    yield
-    fastpath.clear_all()
 
 
 def _kernel_for(M, K, N, activation="gelu", dtype=torch.bfloat16, x_view=None, grad=False):
