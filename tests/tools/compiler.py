@@ -18,6 +18,7 @@ _TOOLS = os.path.dirname(os.path.abspath(__file__))
 TESTS_DIR = os.path.dirname(_TOOLS)
 REPO_DIR = os.path.dirname(TESTS_DIR)
 SRC_DIR = os.path.join(REPO_DIR, "src")
+BENCHMARKS_DIR = os.path.join(REPO_DIR, "benchmarks")
 
 
 def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: dict, num_warps: int = 4,
@@ -204,15 +205,19 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
     return coop.gemm_coop_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=coop.LAUNCH_MAXNREG)
 
 
+def _import_lab(name: str):
+    """A module of benchmarks/ (lab code outside the package), with benchmarks/ on sys.path."""
+    if BENCHMARKS_DIR not in sys.path:
+        sys.path.insert(0, BENCHMARKS_DIR)
+    return importlib.import_module(name)
+
+
 def attention_bwd_wide_compile_job(causal: bool = True, dtype: str = "bfloat16", head_dim: int = 256,
                                    stages: int | None = None, which: str = "dkdv"):
     """(kernel, signature, constexprs, options) of benchmarks/attention_bwd_wide.py's passes for head dims past 128
     (lab code, not dispatched): its dK/dV pass (``which`` "dkdv", as ``dkdv`` launches it) or the shipped dQ pass
     in 256-wide tiles ("dq", as ``dq`` launches it)."""
-    lab_dir = os.path.join(REPO_DIR, "benchmarks")
-    if lab_dir not in sys.path:
-        sys.path.insert(0, lab_dir)
-    lab = importlib.import_module("attention_bwd_wide")
+    lab = _import_lab("attention_bwd_wide")
     return lab.compile_job(causal=causal, dtype=dtype, head_dim=head_dim, stages=stages or lab.STAGES, which=which)
 
 

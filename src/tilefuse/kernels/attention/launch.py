@@ -143,11 +143,12 @@ def ws_config_for(head_dim: int) -> dict:
 DEVICE_DESC_MAX_WAVES = 4
 
 
-def ws_usable(q, k, v, out, mask) -> bool:
-    """The cases this kernel takes: everything else runs the portable kernel."""
+def ws_usable(mask, q, *others) -> bool:
+    """The cases the warp-specialized kernels take (no mask, sm_90, fp16/bf16, the forward's head dims, q and
+    ``others`` TMA-able); everything else runs the portable kernels."""
     return (mask is None and q.is_cuda and runtime.device_facts(q.device)[0] == 9
             and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in ws.SUPPORTED_HEAD_DIMS
-            and descriptors_usable(q, k, v, out))
+            and descriptors_usable(q, *others))
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -222,7 +223,7 @@ def _launch(q, k, v, out, lse, mask, *, scale, pos_offset, window_left, window_r
         raise ValueError(f"kernel must be 'auto', 'ws' or 'portable', got {kernel!r}")
     modified = softcap is not None or alibi is not None or varlen is not None
     if (kernel != "portable" and not interpret and use_desc is None and not modified
-            and ws_usable(q, k, v, out, mask)):
+            and ws_usable(mask, q, k, v, out)):
         return _launch_ws(q, k, v, out, lse, qk_scale=scale * LOG2E, pos_offset=pos_offset,
                           window_left=window_left, window_right=window_right)
     if kernel == "ws":
@@ -351,12 +352,13 @@ BACKWARD_WS_STAGES = 2
 
 
 def ws_backward_usable(q, k, v, mask, window_left, softcap, alibi, varlen) -> bool:
-    """The cases the warp-specialized backward passes take: everything else runs the portable passes. dout need
-    not be TMA-able: the launch copies it when it is not (autograd's expanded or strided gradients)."""
-    return (BACKWARD_WS and mask is None and softcap is None and alibi is None and varlen is None
-            and window_left < 0 and q.is_cuda and runtime.device_facts(q.device)[0] == 9
-            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in ws_backward.HEAD_DIMS
-            and q.shape[0] * q.shape[1] <= MAX_GRID_Y and descriptors_usable(q, k, v))
+    """The cases the warp-specialized backward passes take: the forward kernel's (``ws_usable``) at d <= 128,
+    without soft-cap, ALiBi, a left window or packed sequences, and a grid within axis 1's limit; everything
+    else runs the portable passes. dout need not be TMA-able: the launch copies it when it is not (autograd's
+    expanded or strided gradients)."""
+    return (BACKWARD_WS and softcap is None and alibi is None and varlen is None and window_left < 0
+            and q.shape[-1] in ws_backward.HEAD_DIMS and q.shape[0] * q.shape[1] <= MAX_GRID_Y
+            and ws_usable(mask, q, k, v))
 
 
 def _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, *, scale, pos_offset, window_right) -> dict:

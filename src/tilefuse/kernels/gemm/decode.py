@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from tilefuse.kernels.activations import apply_activation
+from tilefuse.sizes import next_pow2
 
 
 @triton.jit
@@ -43,4 +44,4 @@ def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
 
 def block_m(M: int) -> int:
     """The row tile: every row of x in one (tl.dot takes 16 rows at least)."""
-    return max(16, triton.next_power_of_2(M))
+    return max(16, next_pow2(M))

@@ -121,13 +121,12 @@ DECODE_KERNEL = True
 DECODE_MIN_WAVE = 0.95
 
 
-def decode_usable(M: int, N: int, K: int, x2d, w: torch.Tensor, path: str, gated: bool, save_slope: bool,
-                  device) -> bool:
-    """Whether a small-M Linear runs the decode kernel: the compiled path, M <= 64 and K >= 1024 (split-K's
-    domain), 16-bit operands, x as rows with a unit inner stride (``x2d``, else None), W with a unit inner
-    stride, no gate and no slopes to store, and at least DECODE_MIN_WAVE of a wave of 32-column programs."""
-    if not (DECODE_KERNEL and path == runtime.COMPILED and M <= 64 and K >= 1024 and x2d is not None
-            and not gated and not save_slope and w.dtype in (torch.float16, torch.bfloat16) and w.stride(1) == 1):
+def decode_usable(M: int, N: int, K: int, w: torch.Tensor, gated: bool, save_slope: bool, device) -> bool:
+    """Whether a small-M Linear whose x the compiled path reads as 16-bit rows runs the decode kernel: M <= 64
+    and K >= 1024 (split-K's domain), W 16-bit with a unit inner stride, no gate and no slopes to store, and at
+    least DECODE_MIN_WAVE of a wave of 32-column programs."""
+    if not (DECODE_KERNEL and M <= 64 and K >= 1024 and not gated and not save_slope
+            and w.dtype in (torch.float16, torch.bfloat16) and w.stride(1) == 1):
         return False
     bn = configs.DECODE_GEMM_CONFIGS[16]["BLOCK_N"]
     return cdiv(N, bn) >= DECODE_MIN_WAVE * runtime.device_facts(device)[1]
@@ -328,16 +327,16 @@ def _linear(x, w, b, w_up, b_up, activation, precision, path, save_slope):
     slopes = tuple(t.view(M, N) for t in saved)
     out = (y, *saved) if save_slope else y
     compiled = path == runtime.COMPILED
+    # x as 2-D rows with a unit inner stride, for the decode, cooperative and TMA kernels (16-bit only)
+    x2d = None
     if compiled and s_k == 1 and (s_outer == 0 or m_inner == M) and x.dtype != torch.float32:
-        x_dec = x_rows.as_strided((M, K), (s_inner, 1))
-        if decode_usable(M, N, K, x_dec, w, path, gated, save_slope, x.device):
-            cfg = _launch_decode(x_dec, w, b, y2d, activation, interpret=False)
-            launches.record("linear", path, "decode", lambda: tuning.describe(cfg))
-            return out
-    split_k = split_k_slices(M, N, K, path, x.device)
-    if (compiled and split_k == 1 and x.dtype != torch.float32 and s_k == 1
-            and (s_outer == 0 or m_inner == M)):
         x2d = x_rows.as_strided((M, K), (s_inner, 1))
+    if x2d is not None and decode_usable(M, N, K, w, gated, save_slope, x.device):
+        cfg = _launch_decode(x2d, w, b, y2d, activation, interpret=False)
+        launches.record("linear", path, "decode", lambda: tuning.describe(cfg))
+        return out
+    split_k = split_k_slices(M, N, K, path, x.device)
+    if x2d is not None and split_k == 1:
         if gated and coop_gated(x2d, w, w_up, y2d, save_slope, path):
             coop.launch(x2d, None, w, y2d, b_kmajor=True, bias=b, activation=activation, b_up=w_up, bias_up=b_up,
                         config=COOP_GATED_CONFIG)
