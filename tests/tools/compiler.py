@@ -200,8 +200,8 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
     forward = gemm in ("forward", "gated")
     if gemm == "gated" and activation not in ("swiglu", "geglu", "geglu_tanh"):
         activation = "swiglu"
-    constexprs = coop.constexprs(trans_a, slope, b_kmajor, forward, activation if forward else None,
-                                 gemm == "dW" and db, cfg, num_sms, gated=gemm == "gated")
+    constexprs = dict(coop.constexprs(trans_a, slope, b_kmajor, forward, activation if forward else None,
+                                      gemm == "dW" and db, cfg, gated=gemm == "gated"), NUM_SMS=num_sms)
     return coop.gemm_coop_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=coop.LAUNCH_MAXNREG)
 
 

@@ -254,6 +254,15 @@ def _bind(fn, args, kwargs):
 _PARAMS: dict = {}  # id(jit function) -> its parameters; jit functions live for the process
 
 
+def launch_persistent(kernel, tiles: int, args: tuple, kwargs: dict, device) -> None:
+    """A persistent kernel over ``tiles`` output tiles through :func:`launch`: one program per SM at most
+    (NUM_SMS, the stride of its tile loop, joins ``kwargs``), with the allocator its in-kernel TMA descriptors
+    take their scratch from."""
+    ensure_descriptor_allocator()
+    num_sms = runtime.device_facts(device)[1]
+    launch(kernel, (min(num_sms, tiles),), args, dict(kwargs, NUM_SMS=num_sms))
+
+
 def launch(kernel, grid, args: tuple, kwargs: dict):
     """``kernel[grid](*args, **kwargs)`` -- a ``@triton.jit`` function or a tuning.TableAutotuner -- and,
     while a plan is being captured on this thread, that launch's compiled kernel and bound arguments."""

@@ -35,10 +35,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from tilefuse import runtime
 from tilefuse.kernels import fastpath
 from tilefuse.kernels.activations import apply_activation, apply_gated
-from tilefuse.kernels.tiling import ensure_descriptor_allocator, grouped_tile
+from tilefuse.kernels.tiling import grouped_tile
 from tilefuse.kernels.wgmma import accumulator_layout, register_operand_layout
 from tilefuse.sizes import cdiv
 
@@ -299,11 +298,11 @@ def output_tiles(rows: int, cols: int, config: str) -> int:
     return cdiv(rows, 2 * HALF_ROWS) * cdiv(cols, CONFIGS[config]["BLOCK_N"])
 
 
-def constexprs(trans_a, slope, b_kmajor, bias, activation, db, cfg, num_sms, gated=False) -> dict:
-    """The kernel's constexprs for one form at ``cfg`` (a CONFIGS entry)."""
+def constexprs(trans_a, slope, b_kmajor, bias, activation, db, cfg, gated=False) -> dict:
+    """The kernel's constexprs for one form at ``cfg`` (a CONFIGS entry), but NUM_SMS (the launch's)."""
     return dict(TRANS_A=trans_a, HAS_SLOPE=slope, B_KMAJOR=b_kmajor, HAS_BIAS=bias, ACTIVATION=activation or "none",
                 GATED=gated, HAS_DB=db, G_SMEM=cfg.get("G_SMEM", False) and slope, BLOCK_N=cfg["BLOCK_N"],
-                BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], NUM_SMS=num_sms)
+                BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"])
 
 
 def launch(a, s, b, c, *, trans_a=False, b_kmajor=False, bias=None, activation=None, db=None, b_up=None,
@@ -315,16 +314,13 @@ def launch(a, s, b, c, *, trans_a=False, b_kmajor=False, bias=None, activation=N
     cfg = CONFIGS[config]
     Mc, Nc = c.shape
     R = a.shape[0] if trans_a else a.shape[1]
-    num_sms = runtime.device_facts(c.device)[1]
-    ensure_descriptor_allocator()
     s_ = s if s is not None else a
     bu = b_up if b_up is not None else b
-    fastpath.launch(gemm_coop_ws_kernel, (min(num_sms, output_tiles(Mc, Nc, config)),), (
+    fastpath.launch_persistent(gemm_coop_ws_kernel, output_tiles(Mc, Nc, config), (
         a, s_, b, bu, c, bias if bias is not None else c, bias_up if bias_up is not None else c,
         db if db is not None else c, Mc, Nc, R, a.stride(0), s_.stride(0), b.stride(0), bu.stride(0), c.stride(0)),
-        dict(constexprs(trans_a, s is not None, b_kmajor, bias is not None, activation, db is not None, cfg, num_sms,
-                        gated=b_up is not None),
-             num_warps=4, maxnreg=LAUNCH_MAXNREG))
+        dict(constexprs(trans_a, s is not None, b_kmajor, bias is not None, activation, db is not None, cfg,
+                        gated=b_up is not None), num_warps=4, maxnreg=LAUNCH_MAXNREG), c.device)
 
 
 # Direct entries (benchmarks/gemm_coop_ws.py, the GPU tests): each allocates its output and launches one config.

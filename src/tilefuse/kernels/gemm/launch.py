@@ -226,14 +226,6 @@ def coop_gated(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, y2d:
     return coop.output_tiles(*y2d.shape, COOP_GATED_CONFIG) >= runtime.device_facts(y2d.device)[1]
 
 
-def launch_persistent(kernel, tiles: int, args: tuple, kwargs: dict, device) -> None:
-    """A persistent TMA kernel over ``tiles`` output tiles: one program per SM at most (NUM_SMS the stride of
-    its tile loop), with the descriptor allocator its in-kernel descriptors need."""
-    ensure_descriptor_allocator()
-    num_sms = runtime.device_facts(device)[1]
-    fastpath.launch(kernel, (min(num_sms, tiles),), args, dict(kwargs, NUM_SMS=num_sms))
-
-
 def row_addressing(x: torch.Tensor):
     """The rows of x[..., K] as (outer, inner) with two strides, without copying when possible.
 
@@ -606,7 +598,7 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
             if x2d is not None and _backward_tma((dy2d, sb, x2d), (dw,)):
                 dw_kn = dw.stride(1) != 1  # dW in its weight's Conv1D layout: dW^T [K, N], unit row stride
                 cfg = BACKWARD_TMA_TILE
-                launch_persistent(grad_weight_tma_kernel, cdiv(K, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), (
+                fastpath.launch_persistent(grad_weight_tma_kernel, cdiv(K, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), (
                     dy2d, sb, x2d, dw, db, M, N, K, dy2d.stride(0), sb.stride(0), x2d.stride(0),
                     dw.stride(1) if dw_kn else dw.stride(0)),
                     dict(HAS_BIAS=fused_db, HAS_SLOPE=slope is not None, DW_KN=dw_kn, **cfg), x.device)
@@ -841,7 +833,7 @@ def _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inte
         if tma_tile is not None and (not use_rope or rot == head_dim) and on_hopper and M >= tma_tile[0]:
             block_m, per_tile, warps, stages = tma_tile
             per_tile = min(per_tile, h)
-            launch_persistent(qkv_projection_tma_kernel, cdiv(M, block_m) * cdiv(h, per_tile), (
+            fastpath.launch_persistent(qkv_projection_tma_kernel, cdiv(M, block_m) * cdiv(h, per_tile), (
                 x2d, w, b if b is not None else w, out, cos, sin, norm_w, M, seq_len, K, h, x2d.stride(0),
                 w.stride(1) if w_kn else w.stride(0), *out_strides),
                 dict(flags, W_KN=w_kn, BLOCK_M=block_m, HEAD_DIM=head_dim, HEADS_PER_TILE=per_tile,
@@ -851,7 +843,7 @@ def _qkv_projection(x2d, seq_len, weights, biases, heads, head_dim, rotary, inte
             continue
         parts = qkv_tma_parts_tile(head_dim, rot, use_rope)
         if QKV_TMA_PARTS and on_hopper and not (use_rope and interleaved) and M >= parts["BLOCK_M"]:
-            launch_persistent(qkv_projection_tma_parts_kernel, cdiv(M, parts["BLOCK_M"]) * h, (
+            fastpath.launch_persistent(qkv_projection_tma_parts_kernel, cdiv(M, parts["BLOCK_M"]) * h, (
                 x2d, w, b if b is not None else w, out, cos, sin, norm_w, M, seq_len, K, h,
                 x2d.stride(0), w.stride(1) if w_kn else w.stride(0), *out_strides),
                 dict(HEAD_DIM=head_dim, ROT=rot, HAS_BIAS=b is not None, HAS_ROPE=use_rope, HAS_NORM=use_norm,
