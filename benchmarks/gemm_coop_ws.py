@@ -48,8 +48,6 @@ def compile_facts():
 
     for name in CONFIGS:
         for gemm in ("forward", "gated", "dx", "dW"):
-            if gemm in ("forward", "gated") and CONFIGS[name].get("G_SMEM"):
-                continue  # the same kernel as its register-g twin: G_SMEM only changes the slope's path
             if gemm in ("dx", "dW") and CONFIGS[name].get("FORWARD_ONLY"):
                 continue
             if gemm == "gated" and name not in gated_configs():
@@ -79,9 +77,7 @@ def bench_forward():
         row = {"shape": [M, K, N], "tilefuse_ms": do_bench(lambda: tilefuse.linear(x, w, b, "gelu")),
                "cublaslt_gelu_ms": do_bench(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)),
                "cublas_gemm_ms": do_bench(lambda: torch.mm(x, w.t()))}
-        for name, cfg in CONFIGS.items():
-            if cfg.get("G_SMEM"):
-                continue
+        for name in CONFIGS:
             try:
                 y = linear(x, w, b, "gelu", name)
                 row[f"ws_{name}_rel_l2"] = ((y.double() - ref).norm() / ref.norm()).item()

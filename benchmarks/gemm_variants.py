@@ -64,7 +64,7 @@ def main(out_path="gemm_variants.json", dtype_name="bf16"):
             _time_variant(row, "tma " + "_".join(f"{k}{val}" for k, val in v.items()), ref, (M, N), dtype,
                           lambda y, v=v: _launch_tma(x, w, b, y, "gelu", config=v))
         # The cooperative Gluon kernel: a TMA producer warp, two consumer warpgroups per 128-row tile.
-        for c in (name for name, cfg in coop.CONFIGS.items() if not cfg.get("G_SMEM")):
+        for c in coop.CONFIGS:
             _time_variant(row, "gluon coop " + c, ref, (M, N), dtype,
                           lambda y, c=c: coop.launch(x, None, w, y, b_kmajor=True, bias=b, activation="gelu",
                                                      config=c))

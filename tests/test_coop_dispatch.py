@@ -163,7 +163,7 @@ def test_training_backward_launches_the_cooperative_kernel(pinned_tuners):
     assert [r.kernel for r in fwd] == ["linear_tma_kernel"]
     assert [r.kernel for r in bwd] == ["gemm_coop_ws_kernel"] * 2
     assert [r.grid for r in bwd] == [(SMS,), (SMS,)]
-    common = dict(HAS_SLOPE=True, B_KMAJOR=False, HAS_BIAS=False, ACTIVATION="none", GATED=False, G_SMEM=False,
+    common = dict(HAS_SLOPE=True, B_KMAJOR=False, HAS_BIAS=False, ACTIVATION="none", GATED=False,
                   NUM_SMS=SMS, **{k: v for k, v in coop.CONFIGS[launch.COOP_BACKWARD_CONFIG].items()
                                   if k in ("STAGES", "GROUP_M")})
     for run, trans_a in zip(bwd, (False, True)):
@@ -221,7 +221,7 @@ def test_gated_inference_launches_the_cooperative_kernel_and_training_the_tma_ke
     assert [r.replay for r in runs] == [False, True, False]
     cfg = coop.CONFIGS[launch.COOP_GATED_CONFIG]
     want = dict(TRANS_A=False, HAS_SLOPE=False, B_KMAJOR=True, HAS_BIAS=True, ACTIVATION="swiglu", GATED=True,
-                HAS_DB=False, G_SMEM=False, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], NUM_SMS=SMS)
+                HAS_DB=False, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], NUM_SMS=SMS)
     assert {k: runs[0].kwargs[k] for k in want} == want and runs[0].grid == (SMS,)
     assert runs[2].kwargs["SAVE_SLOPE"]
     assert [r.kernel for r in recs if r.op == "linear"] == ["cooperative warp-specialized"] * 2 + ["tma"]

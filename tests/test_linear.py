@@ -271,10 +271,9 @@ def test_cooperative_gemm_forward_matches_float64(activation, bias, dtype, M, K,
     b = _rand(N, device="cuda", dtype=dtype, seed=3) if bias else None
     ref = reference.linear(x.double(), w.double(), b.double() if bias else None,
                            None if activation == "none" else activation)
-    for name, cfg in coop.CONFIGS.items():
-        if not cfg.get("G_SMEM"):
-            y = coop.linear(x, w, b, activation, name)
-            assert_close(y, ref, REL_L2_BOUND[dtype], f"coop ws {name} {activation} {M}x{K}x{N}")
+    for name in coop.CONFIGS:
+        y = coop.linear(x, w, b, activation, name)
+        assert_close(y, ref, REL_L2_BOUND[dtype], f"coop ws {name} {activation} {M}x{K}x{N}")
     # The gated form (SwiGLU / GeGLU) on the same shapes, the up projection's weight and bias beside the gate's.
     gated = {"gelu": "geglu", "none": "swiglu", "silu": "swiglu"}[activation]
     wu = _rand(N, K, device="cuda", dtype=dtype, seed=5) * K ** -0.5

@@ -18,7 +18,7 @@ boxes (A, S and B per K step) full across the CTA's persistent tile loop, and tw
 128-row output tile, 64 rows each (cooperative: the ping-pong schedule is slower in the forward). Without a slope
 A goes from shared memory to the wgmma with one in flight. With one, each consumer loads its halves of A and S
 into wgmma's register operand layout (transposed by the load for dW), multiplies, and runs the wgmma while the
-other consumer's loads and multiply run (or, G_SMEM, stores g to shared memory and keeps one wgmma in flight).
+other consumer's loads and multiply run.
 The bias is the accumulator's initial value; each consumer's epilogue (the activation) stores its 64 x BLOCK_N
 half through its own staging buffer, and that TMA store drains under the next tile's main loop. TMA zero-fills
 out-of-bounds loads and clips stores, so tails need no masks.
@@ -55,9 +55,6 @@ CONFIGS = {
     "128x256x64_s2": dict(BLOCK_N=256, BLOCK_K=64, STAGES=2, GROUP_M=8),   # 2 x 64 KB + 2 x 32 KB staging
     "128x128x64_s3": dict(BLOCK_N=128, BLOCK_K=64, STAGES=3, GROUP_M=8),
     "128x256x32_s4": dict(BLOCK_N=256, BLOCK_K=32, STAGES=4, GROUP_M=8),   # 4 x 32 KB + 2 x 32 KB staging
-    # g through shared memory (G_SMEM): + 2 x 2 g buffers [64, BLOCK_K], one wgmma kept in flight
-    "smem_g_128x128x64_s3": dict(BLOCK_N=128, BLOCK_K=64, STAGES=3, GROUP_M=8, G_SMEM=True),
-    "smem_g_128x256x32_s3": dict(BLOCK_N=256, BLOCK_K=32, STAGES=3, GROUP_M=8, G_SMEM=True),
     # Without a slope (the forward) the ring holds no S boxes: 3 x 48 KB + 2 x 32 KB staging
     "fwd_128x256x64_s3": dict(BLOCK_N=256, BLOCK_K=64, STAGES=3, GROUP_M=8, FORWARD_ONLY=True),
 }
@@ -67,7 +64,7 @@ DEFAULT = "128x128x64_s4"
 def gated_configs() -> list:
     """The configs the gated forward takes: two [64, BLOCK_N] fp32 accumulators fit a consumer's registers at
     BLOCK_N 128 only."""
-    return [n for n, c in CONFIGS.items() if c["BLOCK_N"] == 128 and not c.get("G_SMEM")]
+    return [n for n, c in CONFIGS.items() if c["BLOCK_N"] == 128]
 
 
 @gluon.jit
@@ -81,10 +78,10 @@ def _counts(a_desc, c_desc, sizes, TRANS_A: gl.constexpr):
 @gluon.jit
 def _producer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr,
               HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
-              G_SMEM: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
+              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
     """One warp: every K step of every output tile of this CTA, in order, through the ring."""
     a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
-    a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs, g_bufs = bufs
+    a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs = bufs
     ready, empty = bars
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0 if TRANS_A else 1]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -122,10 +119,10 @@ def _producer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
 @gluon.jit
 def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr,
               HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
-              G_SMEM: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
+              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
     """Consumer WHICH: rows [WHICH * 64, WHICH * 64 + 64) of every output tile of this CTA."""
     a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
-    a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs, g_bufs = bufs
+    a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs = bufs
     ready, empty = bars
     Mc, Nc, R = sizes
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -171,22 +168,12 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
                 g = a_view.load(a_layout) * s_view.load(a_layout)
                 if HAS_DB:
                     db_acc += gl.sum(g.to(gl.float32), axis=1)
-                if G_SMEM:
-                    # g to this consumer's shared buffer (two, alternating), both operands from shared memory:
-                    # one wgmma stays in flight, and step k-1's ring slot goes back when it is done.
-                    g_buf = g_bufs.index(2 * WHICH + step % 2)
-                    g_buf.store(g)
-                    fence_async_shared()
-                    acc = warpgroup_mma(g_buf, b_view, acc, is_async=True)
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))
-                    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-                else:
-                    # Waited at once: with a register operand in flight across the loop ptxas serialises the
-                    # wgmmas ("insufficient register resources", sm_90a). The other consumer's MMA runs under
-                    # this one's loads and multiply instead.
-                    acc = warpgroup_mma(g, b_view, acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc, ))
-                    mbarrier.arrive(empty.index(slot), count=1)
+                # Waited at once: with a register operand in flight across the loop ptxas serialises the wgmmas
+                # ("insufficient register resources", sm_90a). The other consumer's MMA runs under this one's
+                # loads and multiply instead.
+                acc = warpgroup_mma(g, b_view, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(empty.index(slot), count=1)
             elif GATED:  # gate and up from the same A tile: this step's two wgmmas in flight
                 bu_view = bu_bufs.index(slot)
                 if B_KMAJOR:
@@ -200,7 +187,7 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
             step += 1
-        if G_SMEM or not HAS_SLOPE:  # the tile's last step
+        if not HAS_SLOPE:  # the tile's last step
             if GATED:
                 acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
             else:
@@ -227,7 +214,7 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
 def gemm_coop_ws_kernel(a_ptr, s_ptr, b_ptr, bu_ptr, c_ptr, bias_ptr, bias_up_ptr, db_ptr, Mc, Nc, R,
                         stride_a, stride_s, stride_b, stride_bu, stride_c,
                         TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr, G_SMEM: gl.constexpr,
+                        ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                         NUM_SMS: gl.constexpr):
     """C[Mc, Nc] = act(op(A) @ B + bias): op(A) = A, A^T (TRANS_A), or either times a slope S (HAS_SLOPE);
@@ -267,27 +254,22 @@ def gemm_coop_ws_kernel(a_ptr, s_ptr, b_ptr, bu_ptr, c_ptr, bias_ptr, bias_up_pt
     else:
         bu_bufs = b_bufs
     c_bufs = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_layout)
-    if G_SMEM:
-        g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], dtype)
-        g_bufs = gl.allocate_shared_memory(dtype, [4, HALF_M, BLOCK_K], g_layout)
-    else:
-        g_bufs = a_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release each K step
     descs = (a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr)
-    bufs = (a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs, g_bufs)
+    bufs = (a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs)
     bars = (ready, empty)
     sizes = (Mc, Nc, R)
     # Constexprs go as separate arguments (inside a tuple they would become runtime values).
     gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB, G_SMEM,
+        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB,
                      GROUP_M, NUM_SMS, 0)),
-        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB, G_SMEM,
+        (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB,
                      GROUP_M, NUM_SMS, 1)),
-        (_producer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB, G_SMEM,
+        (_producer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB,
                      GROUP_M, NUM_SMS, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -301,7 +283,7 @@ def output_tiles(rows: int, cols: int, config: str) -> int:
 def constexprs(trans_a, slope, b_kmajor, bias, activation, db, cfg, gated=False) -> dict:
     """The kernel's constexprs for one form at ``cfg`` (a CONFIGS entry), but NUM_SMS (the launch's)."""
     return dict(TRANS_A=trans_a, HAS_SLOPE=slope, B_KMAJOR=b_kmajor, HAS_BIAS=bias, ACTIVATION=activation or "none",
-                GATED=gated, HAS_DB=db, G_SMEM=cfg.get("G_SMEM", False) and slope, BLOCK_N=cfg["BLOCK_N"],
+                GATED=gated, HAS_DB=db, BLOCK_N=cfg["BLOCK_N"],
                 BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"])
 
 
