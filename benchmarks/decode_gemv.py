@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from rows import launch_switches  # benchmarks/rows.py: this script's folder is on sys.path when run by path
 from tilefuse.kernels.gemm.decode import block_m, decode_linear_kernel
 from tilefuse.sizes import cdiv
 
@@ -44,16 +45,10 @@ def linear(x, w, b, activation, config):
 def _split_k_ms(fn):
     """``fn``'s GPU time with the launch's decode kernel switched off (the split-K path it replaced)."""
     from tilefuse.harness.timing import graph_ms
-    from tilefuse.kernels import fastpath
     from tilefuse.kernels.gemm import launch
 
-    launch.DECODE_KERNEL = False
-    fastpath.clear_all()
-    try:
+    with launch_switches(launch, DECODE_KERNEL=False):
         return graph_ms(fn)
-    finally:
-        launch.DECODE_KERNEL = True
-        fastpath.clear_all()
 
 
 def bench():

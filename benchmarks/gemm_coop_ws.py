@@ -18,23 +18,15 @@ import sys
 
 import torch
 
+from rows import launch_switches  # benchmarks/rows.py: this script's folder is on sys.path when run by path
 from tilefuse.kernels.gemm.coop import CONFIGS, gated_configs, gated_linear, grad_input, grad_weight, linear
 
 
-@contextlib.contextmanager
 def coop_off():
-    """The launch's own choice without the cooperative kernel (its COOP_* switches off, no captured plans)."""
-    from tilefuse.kernels import fastpath
+    """The launch's own choice without the cooperative kernel (its COOP_* switches off)."""
     from tilefuse.kernels.gemm import launch
 
-    saved = launch.COOP_BACKWARD, launch.COOP_GATED
-    launch.COOP_BACKWARD = launch.COOP_GATED = False
-    fastpath.clear_all()
-    try:
-        yield
-    finally:
-        launch.COOP_BACKWARD, launch.COOP_GATED = saved
-        fastpath.clear_all()
+    return launch_switches(launch, COOP_BACKWARD=False, COOP_GATED=False)
 
 
 # ---- commands ----------------------------------------------------------------------------------------
