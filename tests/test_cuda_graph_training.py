@@ -1,4 +1,5 @@
-"""Forward + backward of the training ops captured in one CUDA graph and replayed on new data: attention
+"""Forward + backward of the training ops captured in one CUDA graph and replayed on new data: Linear+GELU at a
+size whose backward runs the cooperative GEMM, attention
 (causal, GQA), packed varlen attention (offsets unvalidated, as graphs need), the fused LM-head loss (targets
 unchecked) and the QKV projection with RoPE. Each replay's outputs and gradients match an eager call on the
 same data (within the bf16 bound: the loss's backward adds with atomics)."""
@@ -62,7 +63,14 @@ def _qkv(seed):
     return (x, wq, wk, wv), dy, fn
 
 
-CASES = {"attention": _attention, "attention_varlen": _varlen, "linear_cross_entropy": _loss, "qkv_projection": _qkv}
+def _linear_coop(seed):
+    # Sizes where both backward GEMMs take the cooperative Gluon kernel (descriptors made in the kernel, scratch
+    # from the allocator inside the capture): dx 16 x 9 and dW 34 x 9 output tiles, reductions 4352 and 2048.
+    x, w, b = _r(2048, 2304, seed=seed), _r(4352, 2304, seed=seed + 1, scale=2304 ** -0.5), _r(4352, seed=seed + 2)
+    return (x, w, b), _r(2048, 4352, seed=seed + 3), lambda x, w, b: tilefuse.linear(x, w, b, "gelu")
+
+
+CASES = {"linear_cooperative_backward": _linear_coop, "attention": _attention, "attention_varlen": _varlen, "linear_cross_entropy": _loss, "qkv_projection": _qkv}
 
 
 def _step(fn, leaves, dy):

@@ -98,3 +98,25 @@ def test_decode_linear_through_the_public_call(M, dtype):
             y = tilefuse.linear(x.view(1, M, K), w, b, "gelu")
         assert [r.kernel for r in recs] == ["decode"], recs
         assert_close(y.view(M, N), _want(x, w, b, "gelu"), REL_L2_BOUND[dtype], f"M{M} K{K} N{N}")
+
+
+@pytest.mark.gpu_only
+def test_decode_linear_replays_in_a_cuda_graph():
+    """A decode step as a serving loop captures it: tilefuse.linear at M 16, K = N = 4096 (the decode kernel)
+    captured in a CUDA graph and replayed on new rows matches an eager call on them."""
+    x, w, b = _r(16, 4096, 4096, True, "cuda", seed=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile outside the capture
+            tilefuse.linear(x, w, b, "gelu")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with launches.recording() as recs, torch.cuda.graph(graph):
+        y = tilefuse.linear(x, w, b, "gelu")
+    assert [r.kernel for r in recs] == ["decode"], recs
+    for seed in (2, 3):
+        x.copy_(_r(16, 4096, 4096, True, "cuda", seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(y, _want(x, w, b, "gelu"), REL_L2_BOUND[torch.bfloat16], f"replay {seed}")
