@@ -27,8 +27,8 @@ CASES = {
     "layer_norm": ((64, 4096), ["norm_fwd_kernel"]),
     "rms_norm": ((64, 4096), ["norm_fwd_kernel"]),
     "softmax": ((64, 4096), ["softmax_fwd_kernel"]),
-    # Hopper form: gamma folded into W, then the TMA GEMM, which sums the rows and normalizes in its epilogue
-    "layer_norm_linear": ((256, 1024, 1024), ["weight_fold_kernel", "linear_tma_kernel"]),
+    # Hopper form: gamma folded into W, the rows' statistics, then the TMA GEMM, which normalizes in its epilogue
+    "layer_norm_linear": ((256, 1024, 1024), ["weight_fold_kernel", "norm_fwd_kernel", "linear_tma_kernel"]),
     # bf16, d = 64, no mask: the warp-specialized Gluon kernel on sm_90
     "attention": ((1, 4, 4, 128, 128), ["attention_fwd_ws_kernel"]),
     "sdpa": ((1, 2, 2, 128, 128, 64), ["attention_fwd_kernel"]),

@@ -258,8 +258,8 @@ def test_norm_linear_grad_flows_only_where_asked(device):
     ("rms", True, True, None), ("rms", False, False, "relu"), ("rms", False, True, "gelu_tanh"),
 ])
 def test_norm_linear_epilogue_form_matches_float64(tma_launch_device, norm, affine, has_bias, activation):
-    """The Hopper form (gamma folded into W, row statistics summed by the GEMM from its x tiles and applied
-    after it) on tails in M, N and K (K = 96 is one and a half 64-wide steps: the zero-filled half must not
+    """The Hopper form (gamma folded into W, the rows' statistics from the pre-pass applied after the GEMM)
+    on tails in M, N and K (K = 96 is one and a half 64-wide steps: the zero-filled half must not
     count), rows whose mean is 8x their spread and rows with one huge element: centring after the GEMM must not
     cancel precision away. A NaN in x gives NaN in its row and nowhere else."""
     from tilefuse.kernels.gemm import launch
@@ -311,7 +311,8 @@ def test_strided_parameter_views_are_read_as_their_elements(device):
 def test_norm_linear_byte_model_counts_the_fold_it_runs():
     """The Hopper form's fold (kernels/gemm/launch.py ``fold_weight``) reads W whenever it runs and writes
     W' only with gamma: RMSNorm with gamma moves 2*N*K elements (once counted as N*K), without gamma
-    nothing; LayerNorm reads W for its column sums either way."""
+    nothing; LayerNorm reads W for its column sums either way. The statistics pre-pass reads x and writes
+    (and the GEMM reads) 8 bytes a row."""
     from tilefuse import registry
 
     spec = registry.REGISTRY["layer_norm_linear"]
@@ -323,8 +324,9 @@ def test_norm_linear_byte_model_counts_the_fold_it_runs():
 
     vec_rms = K * s  # gamma, counted with the vectors whether or not the row uses it
     gemm = (M * K + N * K + M * N) * s
-    assert fused("rms", False) == gemm + vec_rms
-    assert fused("rms", True) == gemm + vec_rms + 2 * N * K * s + 8 * N
+    stats = M * K * s + 16 * M
+    assert fused("rms", False) == gemm + vec_rms + stats
+    assert fused("rms", True) == gemm + vec_rms + stats + 2 * N * K * s + 8 * N
     assert fused("layer", True) - fused("layer", False) == N * K * s
 
 

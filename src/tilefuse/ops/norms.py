@@ -418,9 +418,9 @@ def layer_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_bi
 
     The normalized activations never reach HBM. On Hopper with 16-bit, TMA-aligned operands, gamma is
     folded into a copy of W once per call (W read and W' written: a temporary the size of ``weight``) and
-    the TMA GEMM sums each row from the x tiles it streams, then applies
-    ``rstd * (x @ W'^T - mean * colsum(W')) + (b + W @ beta)`` in its epilogue. Elsewhere a pre-pass
-    writes mean/rstd per row (8 bytes) and the GEMM normalizes each x tile in registers (its prologue).
+    a pre-pass writes each row's mean and rstd (8 bytes), and the TMA GEMM runs on raw x and applies
+    ``rstd * (x @ W'^T - mean * colsum(W')) + (b + W @ beta)`` in its epilogue. Elsewhere the same pre-pass
+    runs and the GEMM normalizes each x tile in registers (its prologue).
     ``norm`` is "layer" or "rms" (then ``norm_bias`` is ignored); ``eps`` None is 1e-5 for layer and
     ``torch.finfo(x.dtype).eps`` for rms. Differentiable in every tensor: the backward recomputes
     norm(x) (one read of x, one write and read of the normalized rows: the bytes eager spends saving it),

@@ -3,7 +3,8 @@ config, grid and K split, for tilefuse.linear (plain and gated) and tilefuse.lay
 
 - Hopper (sm_90+), 16-bit operands, TMA-able layouts (unit inner strides, 16-byte-aligned rows and
   bases): the persistent TMA kernel (tma.py); layer_norm_linear there folds gamma into a copy of the
-  weight and lets the TMA GEMM normalize in its epilogue. The gated forward without slopes (inference) on
+  weight, takes the rows' statistics from the norms family's pre-pass and lets the TMA GEMM normalize in its
+  epilogue. The gated forward without slopes (inference) on
   sm_90 with at least one output tile per SM: the cooperative warp-specialized Gluon kernel (coop.py,
   ``coop_gated``).
 - Small M (decode, M <= 64 with K >= 1024): with 16-bit operands, N wide enough for a wave of its 32-column
@@ -37,6 +38,7 @@ from tilefuse.kernels.gemm.backward import grad_input_kernel, grad_weight_kernel
 from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
 from tilefuse.kernels.gemm.tma import linear_tma_kernel
+from tilefuse.kernels.norms.launch import norm_statistics
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
 from tilefuse.sizes import cdiv
 
@@ -61,8 +63,8 @@ linear_splitk_tuned = tuning.autotune(
 linear_tma_tuned = tuning.autotune(
     name="linear_tma",
     configs=[configs.tma_config(**c) for c in configs.TMA_GEMM_CONFIGS],
-    # NORM: layer_norm_linear's form reads x tiles into registers as well, which changes what fits; and
-    # RMSNorm without bias has linear's dtypes, so only NORM tells the two keys apart.
+    # NORM: layer_norm_linear's epilogue reads the row statistics (and the pre-pass shares the GPU's time with
+    # it); RMSNorm without bias has linear's dtypes, so only NORM tells the two keys apart.
     key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "NORM", "SAVE_SLOPE"],
     prune_configs_by={"early_config_prune": configs.prune_gated_configs},
 )(linear_tma_kernel)
@@ -387,22 +389,23 @@ def _launch_portable(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N,
 def _launch_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, b_up=None,
                 norm: tuple | None = None, slopes=()):
     """Persistent TMA launch; returns the config used. ``config`` pins one (benchmarks of variants);
-    None autotunes. ``norm``: (1 for LayerNorm or 2 for RMSNorm, eps, colsum fp32 [N] or None) for
-    layer_norm_linear, where ``w`` is the gamma-folded weight and ``b`` the folded bias. ``slopes``: () or
-    the slope output(s) to store, laid out as y."""
+    None autotunes. ``norm``: (1 for LayerNorm or 2 for RMSNorm, colsum fp32 [N] or None, the rows'
+    statistics fp32 [2, M] contiguous: mean, rstd) for layer_norm_linear, where ``w`` is the gamma-folded
+    weight and ``b`` the folded bias. ``slopes``: () or the slope output(s) to store, laid out as y."""
     ensure_descriptor_allocator()
     M, K = x2d.shape
     N = w.shape[0]
     num_sms = runtime.device_facts(x2d.device)[1]
     gated = w_up is not None
-    norm_kind, eps = 0, 0.0
+    norm_kind, stats = 0, None
     if norm is not None:
-        norm_kind, eps, b_up = norm
+        norm_kind, b_up, stats = norm
     if not gated:
         w_up = w
+    second_slot = slopes[1] if len(slopes) > 1 else (stats if stats is not None else y)
     args = (x2d, w, b if b is not None else y, y, w_up, b_up if b_up is not None else y,
-            slopes[0] if slopes else y, slopes[1] if len(slopes) > 1 else y,
-            M, N, K, sizes.m_bucket(M), x2d.stride(0), w.stride(0), w_up.stride(0), y.stride(0), eps)
+            slopes[0] if slopes else y, second_slot,
+            M, N, K, sizes.m_bucket(M), x2d.stride(0), w.stride(0), w_up.stride(0), y.stride(0))
     common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated, NORM=norm_kind,
                   NUM_SMS=num_sms, SAVE_SLOPE=bool(slopes))
 
@@ -439,8 +442,6 @@ def _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, a
         cfg = _norm_linear_tma(x2d, is_rms, eps, norm_weight, norm_bias, weight, bias, y2d, activation, slopes=slopes)
         launches.record("layer_norm_linear", path, "tma, norm in epilogue", lambda: tuning.describe(cfg))
         return out
-    from tilefuse.kernels.norms.launch import norm_statistics
-
     mean, rstd = norm_statistics(x2d, eps, is_rms, interpret=path == runtime.INTERPRETER)
     cfg = _launch_norm_prologue(x2d, mean, rstd, norm_weight, norm_bias, weight, bias, y2d, is_rms, activation,
                                 precision, interpret=path == runtime.INTERPRETER, slopes=slopes)
@@ -472,10 +473,11 @@ def fold_weight(w, gamma, beta, b, is_rms: bool):
 
 
 def _norm_linear_tma(x2d, is_rms, eps, gamma, beta, w, b, y2d, activation, config: dict | None = None, slopes=()):
-    """layer_norm_linear on Hopper: the fold, then the TMA GEMM, which takes the row statistics from the
-    x tiles it streams and applies them in its epilogue. ``config`` pins the GEMM's config."""
+    """layer_norm_linear on Hopper: the fold and the rows' statistics (the norms family's pre-pass), then the
+    TMA GEMM on raw x, which applies them in its epilogue. ``config`` pins the GEMM's config."""
     wf, shift, colsum = fold_weight(w, gamma, beta, b, is_rms)
-    return _launch_tma(x2d, wf, shift, y2d, activation, config=config, norm=(2 if is_rms else 1, eps, colsum),
+    stats = norm_statistics(x2d, eps, is_rms, interpret=runtime.execution_path(x2d) == runtime.INTERPRETER)
+    return _launch_tma(x2d, wf, shift, y2d, activation, config=config, norm=(2 if is_rms else 1, colsum, stats),
                        slopes=slopes)
 
 

@@ -10,13 +10,13 @@ any stride with a unit column stride.
 
 On Hopper with 16-bit operands (TMA-able layouts) the normalization moves past the GEMM instead
 (tma.py, NORM): ``weight_fold_kernel`` below makes W' = W * gamma, s = sum_k W' and c = b + W @ beta
-once per call (2*N*K*s + 8*N bytes: W read, W' written; N*K*s when gamma is None), and the TMA GEMM runs
-on raw x, summing each row from the x tiles it holds, with ``rstd * (acc - mean * s) + c`` in its
-epilogue. Fused bytes there: (M*K + N*K + M*N)*s + the fold, with no pre-pass, against unfused's extra
-2*M*K*s. The register prologue above runs at about half the linear kernel's rate on the H200 (311 against
-600 TFLOP/s at 8192x4096x4096). The epilogue form feeds its dot from registers as well (a Triton 3.6
-pipelining hazard, see tma.py), but from the raw TMA tile, with no normalization math before the
-dot: 334 (LayerNorm) and 468 (RMSNorm) TFLOP/s there.
+once per call (2*N*K*s + 8*N bytes: W read, W' written; N*K*s when gamma is None), the same statistics
+pre-pass writes mean and rstd, and the TMA GEMM runs its plain main loop on raw x, with
+``rstd * (acc - mean * s) + c`` in its epilogue. Fused bytes there: (2*M*K + N*K + M*N)*s + the fold +
+16*M, against unfused's (3*M*K + N*K + M*N)*s. The register prologue above runs at about half the linear
+kernel's rate on the H200 (311 against 600 TFLOP/s at 8192x4096x4096), and so did an epilogue form that
+summed the statistics from the GEMM's own x tiles (334 LayerNorm, 468 RMSNorm TFLOP/s: the sums stall the
+wgmma issue, and reading the tile into registers cost a pipelining workaround); benchmarks/NOTES.md.
 """
 from __future__ import annotations
 

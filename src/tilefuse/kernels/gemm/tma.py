@@ -11,10 +11,10 @@ to halve the registers and shared memory it needs. TMA zero-fills out-of-bounds 
 so the edges need no masks.
 NORM (layer_norm_linear): ``act(norm(x) @ W^T + b)`` with the normalization moved past the GEMM. With
 W' = W * gamma (gamma along K), s = W' summed over K and c = b + W @ beta (kernels/gemm/launch.py makes
-them with norm_prologue.weight_fold_kernel), norm(x) @ W^T + b = rstd * (x @ W'^T - mean * s) + c: the main loop is this TMA GEMM on raw x,
-which also sums each row of the x tiles it already holds (the statistics: no pre-pass reads x again),
-and the epilogue applies mean and rstd. No normalized x is written. x still arrives by TMA, but its dot
-reads it from registers (see the main loop for the pipelining hazard this avoids); W stays in shared memory.
+them with norm_prologue.weight_fold_kernel), norm(x) @ W^T + b = rstd * (x @ W'^T - mean * s) + c: the main
+loop is exactly the plain GEMM's, on raw x, and the epilogue applies the rows' mean and rstd, which a
+statistics pre-pass (the norms family's kernel: one read of x, 8 bytes a row written) leaves in su_ptr.
+No normalized x is written.
 Limits: x and y row-contiguous, w [N, K] K-contiguous, row strides multiples of 16 bytes, base pointers
 16-byte aligned; otherwise the launch layer (kernels/gemm/launch.py) runs the portable kernel (portable.py).
 """
@@ -33,11 +33,12 @@ def linear_tma_kernel(
     # Gated: the "up" weight [N, K] and its bias. NORM: bu_ptr holds the folded weight's column sums
     # (fp32 [N], LayerNorm only). Otherwise any valid pointer.
     wu_ptr, bu_ptr,
-    s_ptr, su_ptr,  # SAVE_SLOPE only: act'(pre) [M, N] (gated: the two branches' slopes), y's row stride
+    # SAVE_SLOPE: act'(pre) [M, N] (gated: the two branches' slopes), y's row stride. NORM (never gated):
+    # su_ptr holds the row statistics, fp32 [2, M] contiguous: mean (LayerNorm only), then rstd.
+    s_ptr, su_ptr,
     M, N, K,
     M_BUCKET,  # autotune key only
     stride_xm, stride_wn, stride_wun, stride_ym,
-    eps,  # NORM only
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
@@ -79,51 +80,20 @@ def linear_tma_kernel(
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead (removed) unless GATED
-        # NORM: row sums of (x - shift) and its square, from the x tiles already on chip. The shift keeps
-        # the variance sum(d^2)/K - (sum(d)/K)^2 from cancelling when a row's mean dwarfs its spread: it
-        # is the mean of the row's first 16 elements, which an outlier channel among them (LLM
-        # activations have some) moves 16x less than it would move a single element.
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        row_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        row_shift = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if NORM == 1:
-            head = tl.arange(0, 16)
-            x_head = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + head[None, :],
-                             mask=(offs_m < M)[:, None] & (head < K)[None, :], other=0.0)
-            row_shift = tl.sum(x_head.to(tl.float32), axis=1) / tl.minimum(K, 16)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             x_tile = x_desc.load([off_m, off_k])
-            w_tile = w_desc.load([off_n, off_k])
-            in_k = (off_k + tl.arange(0, BLOCK_K)) < K  # NORM: TMA zero-fills the tail of the last K step
-            if NORM == 0:
-                acc = tl.dot(x_tile, w_tile.T, acc)
-            else:
-                # The row sums below read this x tile into registers too. With the tile as wgmma's shared
-                # operand, Triton 3.6's pipeliner then gives x one buffer too few: the TMA load of step
-                # i + STAGES - 1 overwrites the buffer that step i's still-running async wgmma reads (sm_90a
-                # TTGIR: x ring of 2 at 3 stages, refilled right after the dot's `pendings = 1` wait; H200
-                # rms rows came out at rel-L2 0.1-0.28). Feeding the dot from registers (a select on the
-                # zero-filled K tail, so it cannot fold away) ends the buffer's use at its register load.
-                acc = tl.dot(tl.where(in_k[None, :], x_tile, 0.0).to(x_tile.dtype), w_tile.T, acc)
+            acc = tl.dot(x_tile, w_desc.load([off_n, off_k]).T, acc)
             if GATED:
                 acc_up = tl.dot(x_tile, wu_desc.load([off_n, off_k]).T, acc_up)
+        # NORM: the rows' statistics from the pre-pass (unused, and removed, otherwise).
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if NORM != 0:
+            rstd = tl.load(su_ptr + M + offs_m, mask=offs_m < M, other=0.0)
             if NORM == 1:
-                d = tl.where(in_k[None, :], x_tile.to(tl.float32) - row_shift[:, None], 0.0)  # 0 - shift != 0
-                row_sum += tl.sum(d, axis=1)
-                row_sq += tl.sum(d * d, axis=1)
-            if NORM == 2:
-                xf = x_tile.to(tl.float32)
-                row_sq += tl.sum(xf * xf, axis=1)
-        mean = row_shift
-        rstd = row_sq
-        if NORM == 1:
-            mean_d = row_sum / K
-            mean = row_shift + mean_d
-            rstd = 1.0 / tl.sqrt(tl.maximum(row_sq / K - mean_d * mean_d, 0.0) + eps)
-        if NORM == 2:
-            rstd = 1.0 / tl.sqrt(row_sq / K + eps)
+                mean = tl.load(su_ptr + offs_m, mask=offs_m < M, other=0.0)
 
         # Epilogue on the fp32 accumulator; the pre-activation never leaves the SM. With subtiling the
         # bias and activation run on one N-half at a time, which halves the live temporaries of the

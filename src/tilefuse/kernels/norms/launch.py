@@ -241,12 +241,13 @@ def _forward(x2d, res2d, weight, bias, eps, is_rms, path):
 
 
 def norm_statistics(x2d, eps: float, is_rms: bool, interpret: bool):
-    """(mean, rstd), fp32 [M] each, of the rows of x2d: the pre-pass of layer_norm_linear's portable form."""
+    """The rows' statistics of x2d as one fp32 [2, M] tensor, mean then rstd (``mean, rstd = stats``; the
+    mean row is left unwritten for rms): the pre-pass of layer_norm_linear's forms."""
     M = x2d.shape[0]
     stats = torch.empty((2, M), dtype=torch.float32, device=x2d.device)
     _launch_forward(x2d, None, None, None, None, None, stats[0], stats[1], eps, is_rms, store_y=False,
                     interpret=interpret)
-    return stats[0], stats[1]
+    return stats
 
 
 def backward(dy2d, h2d, weight, stats, dh2d, is_rms: bool, compute_dw: bool, compute_db: bool, path):
