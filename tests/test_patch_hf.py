@@ -108,6 +108,26 @@ def test_each_family_is_patched_and_matches_unpatched_on_a_padded_batch(family, 
     assert _rel(got[valid], want[valid]) <= REL_L2_BOUND[DTYPE]
 
 
+def test_attention_is_checked_layer_by_layer_against_float64_and_a_wrong_one_is_undone(device, monkeypatch):
+    """The attention and QKV steps are checked per layer: each layer's probe inputs (from the unpatched run)
+    with a float64 copy of the unpatched layer as the reference. An attention that is 50% too large in every
+    call fails that check, is undone (the model keeps HF's attention) and the report gives the measured
+    error; the rest of the patch stands."""
+    model = _model("llama", device)
+    reference = patching_hf.ProbeReference(model)
+    assert len(reference.layers) == model.config.num_hidden_layers
+    assert all(want.dtype == torch.float64 for *_, want in reference.layers)
+    from tilefuse.ops import attention as attention_ops
+    good = attention_ops.sdpa_heads_last
+    monkeypatch.setattr(attention_ops, "sdpa_heads_last", lambda *a, **k: good(*a, **k) * 1.5)
+    report = tilefuse.patch(model)
+    skipped = dict(report.skipped)
+    assert "above the bound" in skipped["attention"] and "layers against its unpatched float64 copy" in \
+        skipped["attention"], skipped
+    assert model.config._attn_implementation == "sdpa"
+    assert any(p.endswith("mlp") for p, *_ in report.replaced)
+
+
 def test_unpatch_restores_the_model_exactly_and_state_dicts_are_unchanged(device):
     model = _model("qwen3", device)
     before = dict(model.state_dict())

@@ -169,7 +169,7 @@ def patch(model: torch.nn.Module, *, norm: bool = True, mlp: bool = True, qkv: b
         report.skipped.append(("", f"already patched ({len(originals or {})} modules); unpatch first to patch again"))
         return report
     hf = patching_hf.is_hf_model(model)
-    reference = patching_hf._probe_output(model)[0] if hf and verify and (attention or qkv) else None
+    reference = patching_hf.ProbeReference(model) if hf and verify and (attention or qkv) else None
     if originals is None:
         originals = {}
         object.__setattr__(model, _ORIGINALS, originals)
