@@ -340,14 +340,11 @@ def test_warp_specialized_backward_with_lse_gradient_windows_and_strided_grads()
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(1, 2, 1, 300, 300), (2, 4, 2, 200, 457), (1, 2, 1, 457, 200)])
 def test_wide_head_backward_passes_match_float64(B, Hq, Hkv, Nq, Nk, causal, d):
-    """The lab passes for head dims past 128 (benchmarks/attention_bwd_wide.py, not dispatched: its dK/dV pass
-    with one consumer per output, the shipped dQ pass in 256-wide tiles) on the forward's own lse and D = rowsum(dO * O): GQA, Nq != Nk both ways (bottom-right causal,
-    rows that see no key), tails in both lengths, several key blocks, against float64 autograd."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import attention_bwd_wide
+    """The passes for head dims past 128 as the launch runs them (``launch._backward_ws``: ws_backward_wide's
+    dK/dV pass with one consumer per output, ws_backward's dQ pass in 256-wide tiles with 32-key K/V steps), each
+    on its own, on the forward's own lse and D = rowsum(dO * O): GQA, Nq != Nk both ways (bottom-right causal, rows
+    that see no key), tails in both lengths, several key blocks, against float64 autograd."""
+    from tilefuse.kernels.attention import launch, ws_backward_wide
 
     q = _r(B, Hq, Nq, d, device="cuda")
     k, v = _r(B, Hkv, Nk, d, seed=1, device="cuda"), _r(B, Hkv, Nk, d, seed=2, device="cuda")
@@ -356,9 +353,136 @@ def test_wide_head_backward_passes_match_float64(B, Hq, Hkv, Nq, Nk, causal, d):
     delta = (do.float() * out.float()).sum(-1).contiguous()
     want_dq, want_dk, want_dv = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=causal),
                                          (q, k, v), (do,))
-    args = (q, k, v, do, lse.contiguous(), delta)
-    dk, dv = attention_bwd_wide.dkdv(*args, scale=d ** -0.5, causal=causal)
-    dq = attention_bwd_wide.dq(*args, scale=d ** -0.5, causal=causal)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    args = (do, q, k, v, lse.contiguous(), delta, dq, dk, dv)
+    positions = dict(scale=d ** -0.5, pos_offset=Nk - Nq, window_right=0 if causal else -1)
+    cfg = launch._backward_ws(*args, **positions, passes=("dkdv",))
+    assert cfg == dict(STAGES=ws_backward_wide.STAGES, HEAD_D=256, WIDE=True, DQ_KEYS=ws_backward_wide.DQ_KEYS), cfg
+    launch._backward_ws(*args, **positions, passes=("dq",))
     assert_close(dq, want_dq, BOUND, f"wide d{d} dQ")
     assert_close(dk, want_dk, BOUND, f"wide d{d} dK")
     assert_close(dv, want_dv, BOUND, f"wide d{d} dV")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("d", [160, 192, 256])
+@pytest.mark.parametrize("kind", ["full", "causal", "right window, lse gradient, fp16"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(1, 2, 1, 300, 300), (2, 4, 2, 200, 457)])
+def test_wide_head_backward_through_attention_matches_float64(B, Hq, Hkv, Nq, Nk, kind, d):
+    """tilefuse.attention's forward and backward at d 160 / 192 / 256, as the launch picks the wide passes for
+    them (16-bit, no mask, no left window): full, causal, and a right-bounded window with a loss on out and lse
+    (D - dlse) in fp16, GQA and Nq != Nk, against float64 autograd; the launch record names the wide passes."""
+    from tilefuse.kernels import launches
+    from tilefuse.kernels.attention import launch, ws_backward_wide
+
+    kwargs = {"full": {}, "causal": dict(causal=True)}.get(kind, dict(window=(-1, 37), return_lse=True))
+    cast = (lambda t: t.half()) if "fp16" in kind else (lambda t: t)
+    q = cast(_r(B, Hq, Nq, d, device="cuda"))
+    k, v = cast(_r(B, Hkv, Nk, d, seed=1, device="cuda")), cast(_r(B, Hkv, Nk, d, seed=2, device="cuda"))
+    grads = [cast(_r(B, Hq, Nq, d, seed=3, device="cuda"))]
+    if kwargs.get("return_lse"):
+        grads.append(_r(B, Hq, Nq, seed=4, device="cuda").float())
+    leaves = _leaves(q, k, v)
+    outs = tilefuse.attention(*leaves, **kwargs)
+    with launches.recording() as recs:
+        torch.autograd.backward(outs if isinstance(outs, tuple) else (outs,), grads)
+    assert [(r.kernel, r.config) for r in recs if r.op == "attention_backward"] == [
+        (launch.WS_BACKWARD_WIDE_KERNEL, f"s{ws_backward_wide.STAGES} d256 dq keys {ws_backward_wide.DQ_KEYS}")], recs
+    want = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, **kwargs), (q, k, v), grads)
+    for got, exp, name in zip(leaves, want, "qkv"):
+        assert_close(got.grad, exp, REL_L2_BOUND[q.dtype], f"wide d{d} {kind} d{name}")
+
+
+def _stubbed_backward(d, dtype=torch.bfloat16, call="attention", Hq=4, Hkv=2, Nq=200, Nk=457, **kwargs):
+    """Forward and backward of one attention call on CPU tensors with the compiled path's launches recorded, not
+    run (tests/tools/host_path.py; an sm_90 device of 132 SMs, every tensor taken as a GPU one): (the backward's
+    launches, its launch records, the block shapes of the host descriptors it made)."""
+    from tilefuse.kernels import launches
+    from tilefuse.kernels.attention import launch
+    from tools.host_path import stubbed_launches
+
+    q = torch.randn(2, Hq, Nq, d, dtype=dtype, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    k, v = (torch.randn(2, Hkv, Nk, d, dtype=dtype, generator=torch.Generator().manual_seed(s)).requires_grad_()
+            for s in (1, 2))
+    boxes = []
+
+    def recording_descriptor(t, block_shape):
+        boxes.append(tuple(block_shape))
+        return make_descriptor(t, block_shape)
+
+    make_descriptor = launch.host_descriptor
+    with stubbed_launches() as runs, launches.recording() as recs:
+        if call == "sdpa":
+            mask = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)
+            out = tilefuse.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+        elif call == "varlen":
+            lens = torch.tensor([0, Nq], dtype=torch.int32)
+            flat = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]
+            out = tilefuse.attention_varlen(*flat, lens, torch.tensor([0, Nk], dtype=torch.int32), Nq, Nk, **kwargs)
+        else:
+            out = tilefuse.attention(q, k, v, **kwargs)
+        n = len(runs)
+        launch.host_descriptor = recording_descriptor
+        try:
+            out.backward(torch.randn_like(out))
+        finally:
+            launch.host_descriptor = make_descriptor
+    return runs[n:], [(r.kernel, r.config) for r in recs if r.op == "attention_backward"], boxes
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
+@pytest.mark.parametrize("d", [160, 192, 256])
+@pytest.mark.parametrize("dtype,kwargs", [(torch.bfloat16, dict(causal=True)), (torch.bfloat16, {}),
+                                          (torch.float16, dict(window=(-1, 37)))],
+                         ids=["causal", "full", "fp16 right window"])
+def test_backward_takes_the_wide_passes_past_head_dim_128(pinned_tuners, d, dtype, kwargs):
+    """16-bit, d 160 / 192 / 256, no mask, soft-cap, ALiBi, left window or packed sequences: the row-dot kernel,
+    the wide dK/dV pass over blocks of 64 keys per KV head, and the dQ pass over 128 query rows per query head, all
+    in 256-wide tiles, dQ's K and V in 32-key boxes; the record names the wide passes."""
+    from tilefuse.kernels.attention import launch, ws_backward_wide
+
+    runs, recs, boxes = _stubbed_backward(d, dtype, **kwargs)
+    assert [(r.kernel, r.grid) for r in runs] == [
+        ("attention_bwd_rowdot_kernel", (4, 8)), ("attention_bwd_dkdv_wide_kernel", (8, 4)),
+        ("attention_bwd_dq_ws_kernel", (2, 8))], runs
+    for r in runs[1:]:
+        assert r.kwargs["STAGES"] == ws_backward_wide.STAGES and r.kwargs["HAS_RIGHT"] == bool(kwargs), r
+    rows, keys = (1, 1, 64, 256), (1, 1, ws_backward_wide.DQ_KEYS, 256)
+    # q, dout (shared by both passes); k, v, dk, dv of the dK/dV pass; k, v, dq of the dQ pass
+    assert boxes == [rows] * 2 + [rows] * 4 + [keys, keys, rows], boxes
+    assert recs == [(launch.WS_BACKWARD_WIDE_KERNEL, "s2 d256 dq keys 32")], recs
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
+@pytest.mark.parametrize("case", ["mask", "softcap", "alibi", "left window", "varlen", "fp32", "wide switch off",
+                                  "switch off"])
+def test_backward_keeps_the_portable_passes_past_head_dim_128_elsewhere(pinned_tuners, monkeypatch, case):
+    """At d 192 a mask, soft-cap, ALiBi slopes, a left window, packed sequences, fp32, or BACKWARD_WS_WIDE (or
+    BACKWARD_WS) off: the portable passes, as before; d 128 keeps the narrow warp-specialized passes when only the
+    wide ones are switched off."""
+    from tilefuse.kernels.attention import launch
+
+    kwargs, call, dtype = {}, "attention", torch.bfloat16
+    if case == "mask":
+        call = "sdpa"
+    elif case == "softcap":
+        kwargs = dict(softcap=5.0)
+    elif case == "alibi":
+        kwargs = dict(alibi_slopes=torch.rand(4, generator=torch.Generator().manual_seed(5)))
+    elif case == "left window":
+        kwargs = dict(window=(50, 0))
+    elif case == "varlen":
+        call, kwargs = "varlen", dict(causal=True)
+    elif case == "fp32":
+        dtype = torch.float32
+    else:
+        monkeypatch.setattr(launch, "BACKWARD_WS_WIDE" if case == "wide switch off" else "BACKWARD_WS", False)
+    runs, recs, _ = _stubbed_backward(192, dtype, call=call, **kwargs)
+    assert [r.kernel for r in runs] == ["attention_bwd_rowdot_kernel", "attention_bwd_dkdv_kernel",
+                                        "attention_bwd_dq_kernel"], runs
+    assert [kernel.split(":")[0] for kernel, _ in recs] == ["portable"], recs
+    if case == "wide switch off":
+        runs, recs, _ = _stubbed_backward(128)
+        assert [r.kernel for r in runs] == ["attention_bwd_rowdot_kernel", "attention_bwd_dkdv_ws_kernel",
+                                            "attention_bwd_dq_ws_kernel"], runs
+        assert recs == [(launch.WS_BACKWARD_KERNEL, "s2 d128")], recs

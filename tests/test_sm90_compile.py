@@ -517,10 +517,11 @@ def test_decode_kernel_configs_fit_and_do_not_spill(rows):
 
 @pytest.mark.parametrize("which,causal", [("dkdv", False), ("dkdv", True), ("dq", True)])
 def test_wide_head_attention_backward_compiles(which, causal):
-    """The passes for head dims past 128 (benchmarks/attention_bwd_wide.py, lab code): its dK/dV pass with one
-    consumer per output (dV, dK), each a [64, 256] fp32 accumulator beside its score tiles, and the shipped dQ
-    pass in 256-wide tiles with 32-key K/V steps: partitions, setmaxnreg 24/240, P^T and dS^T (dS) as wgmma's
-    register operand, no spills, wgmmas not serialised, two ring stages within shared memory."""
+    """The backward passes for head dims past 128 as the launch runs them (tilefuse.kernels.attention.
+    ws_backward_wide's dK/dV pass with one consumer per output (dV, dK), each a [64, 256] fp32 accumulator beside
+    its score tiles, and ws_backward's dQ pass in 256-wide tiles with 32-key K/V steps): partitions, setmaxnreg
+    24/240, P^T and dS^T (dS) as wgmma's register operand, no spills, wgmmas not serialised, two ring stages
+    within shared memory."""
     facts = compile_gluon_sm90("tools.compiler", "attention_bwd_wide_compile_job", dict(causal=causal, which=which))
     assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
     assert not facts["wgmma_serialized"], facts

@@ -18,7 +18,6 @@ _TOOLS = os.path.dirname(os.path.abspath(__file__))
 TESTS_DIR = os.path.dirname(_TOOLS)
 REPO_DIR = os.path.dirname(TESTS_DIR)
 SRC_DIR = os.path.join(REPO_DIR, "src")
-BENCHMARKS_DIR = os.path.join(REPO_DIR, "benchmarks")
 
 
 def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: dict, num_warps: int = 4,
@@ -205,20 +204,31 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
     return coop.gemm_coop_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=coop.LAUNCH_MAXNREG)
 
 
-def _import_lab(name: str):
-    """A module of benchmarks/ (lab code outside the package), with benchmarks/ on sys.path."""
-    if BENCHMARKS_DIR not in sys.path:
-        sys.path.insert(0, BENCHMARKS_DIR)
-    return importlib.import_module(name)
-
-
 def attention_bwd_wide_compile_job(causal: bool = True, dtype: str = "bfloat16", head_dim: int = 256,
                                    stages: int | None = None, which: str = "dkdv"):
-    """(kernel, signature, constexprs, options) of benchmarks/attention_bwd_wide.py's passes for head dims past 128
-    (lab code, not dispatched): its dK/dV pass (``which`` "dkdv", as ``dkdv`` launches it) or the shipped dQ pass
-    in 256-wide tiles ("dq", as ``dq`` launches it)."""
-    lab = _import_lab("attention_bwd_wide")
-    return lab.compile_job(causal=causal, dtype=dtype, head_dim=head_dim, stages=stages or lab.STAGES, which=which)
+    """(kernel, signature, constexprs, options) of the backward passes for head dims past 128, as
+    ``tilefuse.kernels.attention.launch._backward_ws`` launches them: tilefuse.kernels.attention.ws_backward_wide's
+    dK/dV kernel (``which`` "dkdv") or ws_backward's dQ kernel in 256-wide tiles with DQ_KEYS-key K/V boxes ("dq");
+    ``stages`` the ring depth (default: ws_backward_wide.STAGES, the launch's)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from tilefuse.kernels.attention import ws, ws_backward, ws_backward_wide
+    from tilefuse.kernels.gluon_host import host_descriptor
+
+    t = torch.empty(1, 2, 256, head_dim, dtype=getattr(torch, dtype))
+    tile = ws.tile_head_dim(head_dim)
+    sig = mangle_type(host_descriptor(t, (1, 1, ws_backward.BLOCK_M.value, tile)))
+    rest = dict(lse_ptr="*fp32", delta_ptr="*fp32", H_Q="i32", H_KV="i32", N_Q="i32", N_K="i32", qk_scale="fp32",
+                scale="fp32", pos_offset="i32", window_right="i32")
+    constexprs = dict(HAS_RIGHT=causal, STAGES=stages or ws_backward_wide.STAGES)
+    options = dict(num_warps=4, maxnreg=ws_backward.LAUNCH_MAXNREG)
+    if which == "dq":
+        kv_sig = mangle_type(host_descriptor(t, (1, 1, ws_backward_wide.DQ_KEYS, tile)))
+        signature = dict(q_desc=sig, k_desc=kv_sig, v_desc=kv_sig, do_desc=sig, dq_desc=sig, **rest)
+        return ws_backward.attention_bwd_dq_ws_kernel, signature, constexprs, options
+    signature = dict(q_desc=sig, k_desc=sig, v_desc=sig, do_desc=sig, dk_desc=sig, dv_desc=sig, **rest)
+    return ws_backward_wide.attention_bwd_dkdv_wide_kernel, signature, constexprs, options
 
 
 def attention_bwd_ws_compile_job(head_dim: int = 128, causal: bool = True, dtype: str = "bfloat16",

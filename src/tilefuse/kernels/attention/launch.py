@@ -2,8 +2,9 @@
 - Forward: the warp-specialized Hopper kernel (ws.py) for sm_90, fp16/bf16, the head dims it supports, no
   mask and TMA-able tensors; the portable kernel (portable.py) everything else, and the interpreter.
 - Backward: D = rowsum(dO * O) by the portable row-dot kernel, then the warp-specialized dK/dV and dQ passes
-  (ws_backward.py) for sm_90, fp16/bf16, d <= 128, no mask, soft-cap, ALiBi, left window or packed sequences,
-  TMA-able tensors; the portable passes (backward.py) everything else.
+  for sm_90, fp16/bf16, the forward kernel's head dims, no mask, soft-cap, ALiBi, left window or packed
+  sequences, TMA-able tensors: ws_backward.py's at d <= 128, ws_backward_wide.py's dK/dV pass and ws_backward's
+  dQ pass in 256-wide tiles at d 160/192/256; the portable passes (backward.py) everything else.
 Inputs arrive checked and non-empty (tilefuse.ops).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import triton
 
 from tilefuse import runtime, sizes, tuning
 from tilefuse.kernels import fastpath, launches
-from tilefuse.kernels.attention import ws, ws_backward
+from tilefuse.kernels.attention import ws, ws_backward, ws_backward_wide
 from tilefuse.kernels.attention.common import MAX_GRID_Y, descriptors_usable
 from tilefuse.kernels.attention.portable import attention_fwd_kernel
 from tilefuse.kernels.gluon_host import host_descriptor
@@ -344,41 +345,66 @@ def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
 
 BACKWARD_DKDV_STAGES = 1  # the dK/dV kernel's pipeline depth on 16-bit 64-row tiles (backward_config)
 
-# The warp-specialized passes (ws_backward.py): on where they apply (False: the portable passes everywhere, for
-# benchmarks), with the Q/dO (dK/dV pass) and K/V (dQ pass) ring this deep. 2 stages measured best or within 2%
-# of 3 and 4 on the H200's backward grid (NOTES.md).
+# The warp-specialized passes: on where they apply (False: the portable passes everywhere, for benchmarks);
+# BACKWARD_WS_WIDE: those for head dims past 128 (ws_backward_wide.py's dK/dV pass, ws_backward's dQ pass in
+# 256-wide tiles; False: the portable passes there, the narrow passes unchanged). Up to d 128 the Q/dO (dK/dV
+# pass) and K/V (dQ pass) rings are BACKWARD_WS_STAGES deep: 2 stages measured best or within 2% of 3 and 4 on
+# the H200's backward grid (NOTES.md). Past 128 they are ws_backward_wide.STAGES deep (2: a third does not fit).
 BACKWARD_WS = True
+BACKWARD_WS_WIDE = True
 BACKWARD_WS_STAGES = 2
 
 
 def ws_backward_usable(q, k, v, mask, window_left, softcap, alibi, varlen) -> bool:
-    """The cases the warp-specialized backward passes take: the forward kernel's (``ws_usable``) at d <= 128,
-    without soft-cap, ALiBi, a left window or packed sequences, and a grid within axis 1's limit; everything
-    else runs the portable passes. dout need not be TMA-able: the launch copies it when it is not (autograd's
-    expanded or strided gradients)."""
-    return (BACKWARD_WS and softcap is None and alibi is None and varlen is None and window_left < 0
-            and q.shape[-1] in ws_backward.HEAD_DIMS and q.shape[0] * q.shape[1] <= MAX_GRID_Y
-            and ws_usable(mask, q, k, v))
+    """The cases the warp-specialized backward passes take: the forward kernel's (``ws_usable``) at
+    ws_backward.HEAD_DIMS (d <= 128) and, with BACKWARD_WS_WIDE, ws_backward_wide.HEAD_DIMS (160, 192, 256),
+    without soft-cap, ALiBi, a left window or packed sequences, and a grid within axis 1's limit (B * Hq: the
+    dQ pass's, at least the dK/dV pass's B * Hkv); everything else runs the portable passes. dout need not be
+    TMA-able: the launch copies it when it is not (autograd's expanded or strided gradients)."""
+    d = q.shape[-1]
+    head_dim_taken = d in ws_backward.HEAD_DIMS or (BACKWARD_WS_WIDE and d in ws_backward_wide.HEAD_DIMS)
+    return (BACKWARD_WS and head_dim_taken and softcap is None and alibi is None and varlen is None
+            and window_left < 0 and q.shape[0] * q.shape[1] <= MAX_GRID_Y and ws_usable(mask, q, k, v))
 
 
-def _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, *, scale, pos_offset, window_right) -> dict:
-    """The two warp-specialized passes into dq, dk, dv (the layouts of q, k, v: TMA-able as they are)."""
+def _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, *, scale, pos_offset, window_right,
+                 passes=("dkdv", "dq")) -> dict:
+    """The two warp-specialized passes into dq, dk, dv (the layouts of q, k, v: TMA-able as they are), or only
+    those in ``passes`` (benchmarks time each on its own). Returns the config: STAGES, HEAD_D (the tile width),
+    WIDE (the dK/dV pass of ws_backward_wide.py) and DQ_KEYS (the dQ pass's keys per ring step)."""
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     tile = ws.tile_head_dim(d)
-    rows, keys = (1, 1, ws_backward.BLOCK_M.value, tile), (1, 1, ws_backward.KEYS, tile)
+    wide = tile > 128
+    stages = ws_backward_wide.STAGES if wide else BACKWARD_WS_STAGES
+    # Query tiles of 64 rows in both passes (and the wide dK/dV pass's 64-key blocks); the dQ pass's ring steps
+    # over keys in its K descriptor's box rows: 64 as its query tiles up to d 128, DQ_KEYS in 256-wide tiles.
+    rows = (1, 1, ws_backward.BLOCK_M.value, tile)
+    dq_keys = ws_backward_wide.DQ_KEYS if wide else ws_backward.BLOCK_M.value
     q_d, do_d = host_descriptor(q, rows), host_descriptor(dout, rows)
-    flags = dict(HAS_RIGHT=window_right >= 0, STAGES=BACKWARD_WS_STAGES, num_warps=4,
-                 maxnreg=ws_backward.LAUNCH_MAXNREG)
+    flags = dict(HAS_RIGHT=window_right >= 0, STAGES=stages, num_warps=4, maxnreg=ws_backward.LAUNCH_MAXNREG)
     positions = (Hq, Hkv, Nq, Nk, scale * LOG2E, scale, pos_offset, max(window_right, 0))
-    fastpath.launch(ws_backward.attention_bwd_dkdv_ws_kernel, (cdiv(Nk, 2 * ws_backward.KEYS), B * Hkv), (
-        q_d, host_descriptor(k, keys), host_descriptor(v, keys), do_d, host_descriptor(dk, keys),
-        host_descriptor(dv, keys), lse, delta, *positions), flags)
-    # The dQ pass's ring steps over keys in its K descriptor's box rows: 64, as its query tiles.
-    fastpath.launch(ws_backward.attention_bwd_dq_ws_kernel, (cdiv(Nq, ws_backward.QUERY_ROWS), B * Hq), (
-        q_d, host_descriptor(k, rows), host_descriptor(v, rows), do_d, host_descriptor(dq, rows), lse, delta,
-        *positions), flags)
-    return dict(STAGES=BACKWARD_WS_STAGES, HEAD_D=tile)
+    if "dkdv" in passes:
+        # Per CTA: the wide pass's KEYS keys (both consumers on them), the narrow pass's KEYS per consumer.
+        if wide:
+            kernel, keys_per_cta = ws_backward_wide.attention_bwd_dkdv_wide_kernel, ws_backward_wide.KEYS
+        else:
+            kernel, keys_per_cta = ws_backward.attention_bwd_dkdv_ws_kernel, 2 * ws_backward.KEYS
+        keys = (1, 1, ws_backward_wide.KEYS if wide else ws_backward.KEYS, tile)
+        fastpath.launch(kernel, (cdiv(Nk, keys_per_cta), B * Hkv), (
+            q_d, host_descriptor(k, keys), host_descriptor(v, keys), do_d, host_descriptor(dk, keys),
+            host_descriptor(dv, keys), lse, delta, *positions), flags)
+    if "dq" in passes:
+        kv = (1, 1, dq_keys, tile)
+        fastpath.launch(ws_backward.attention_bwd_dq_ws_kernel, (cdiv(Nq, ws_backward.QUERY_ROWS), B * Hq), (
+            q_d, host_descriptor(k, kv), host_descriptor(v, kv), do_d, host_descriptor(dq, rows), lse, delta,
+            *positions), flags)
+    return dict(STAGES=stages, HEAD_D=tile, WIDE=wide, DQ_KEYS=dq_keys)
+
+
+# What the launch records for the warp-specialized backward (the report's config column): up to d 128, and past it.
+WS_BACKWARD_KERNEL = "ws: rowdot, dk/dv, dq (no atomics)"
+WS_BACKWARD_WIDE_KERNEL = "ws: rowdot, dk/dv wide, dq (no atomics)"
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int, window_left: int,
@@ -418,8 +444,9 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
             dout = dout.contiguous()
         cfg = _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, scale=scale, pos_offset=pos_offset,
                            window_right=window_right)
-        launches.record("attention_backward", path, "ws: rowdot, dk/dv, dq (no atomics)",
-                        lambda: f"s{cfg['STAGES']} d{cfg['HEAD_D']}")
+        launches.record("attention_backward", path, WS_BACKWARD_WIDE_KERNEL if cfg["WIDE"] else WS_BACKWARD_KERNEL,
+                        lambda: f"s{cfg['STAGES']} d{cfg['HEAD_D']}"
+                        + (f" dq keys {cfg['DQ_KEYS']}" if cfg["WIDE"] else ""))
         return dq, dk, dv
     has_mask = mask is not None
     mask_is_bool = has_mask and mask.dtype == torch.bool

@@ -14,10 +14,12 @@ issues TMA loads and two consumer warpgroups run the GEMMs, with setmaxnreg givi
   forward's structure (ws.py) with dS in place of P, dQ += dS K. No atomics: the gradients are deterministic.
 The row terms lse and D enter as the score accumulators' initial values, so the two vectors die at once and
 d 128 fits without spills.
-Scope: sm_90, 16-bit, head dim up to 128 (80 and 96 in 128-wide tiles, ws.tile_head_dim), no mask, no
-soft-cap, ALiBi or left window; causal and right windows (HAS_RIGHT), GQA, any N (rows past N_Q get P = 0
-through lse = +inf; keys past N_K only reach dK/dV rows that are never stored). D = rowsum(dO * O) comes from
-the portable row-dot kernel; the launch (launch.py) runs the portable passes for everything else.
+Scope: sm_90, 16-bit, head dim up to 128 for the dK/dV pass (80 and 96 in 128-wide tiles, ws.tile_head_dim),
+no mask, no soft-cap, ALiBi or left window; causal and right windows (HAS_RIGHT), GQA, any N (rows past N_Q get
+P = 0 through lse = +inf; keys past N_K only reach dK/dV rows that are never stored). Past 128 (160, 192, 256)
+the dK/dV pass is ws_backward_wide.py's, and the dQ pass here runs in 256-wide tiles with fewer keys per ring
+step. D = rowsum(dO * O) comes from the portable row-dot kernel; the launch (launch.py) runs the portable
+passes for everything else.
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
 LAUNCH_MAXNREG = 168  # 3 warpgroups at 168 = 2 * 240 + 24
 QUERY_ROWS = 128  # query rows per CTA of the dQ pass (two consumers of BLOCK_M)
-# The forward's head dims up to 128 (ws.tile_head_dim's 64- and 128-wide tiles); past 128 the dK/dV pass's two
-# [64, d] fp32 accumulators do not fit a consumer's registers.
+# The forward's head dims up to 128 (ws.tile_head_dim's 64- and 128-wide tiles); past 128 this dK/dV pass's two
+# [64, d] fp32 accumulators do not fit a consumer's registers (ws_backward_wide.py takes those head dims).
 HEAD_DIMS = (64, 80, 96, 128)
 
 
@@ -190,8 +192,8 @@ def attention_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
 # ---- the dQ pass ------------------------------------------------------------------------------------
 # Per CTA 128 query rows of one query head (two consumers of 64), the key tiles they see through a ring of K and
 # V: S = Q K^T and dP = dO V^T together, P, dS = P (dP - D), dQ += dS K (dS the register operand). The forward's
-# structure (ws.py) with dS in place of P. Keys per ring step: the K descriptor's box rows (the launch's 64;
-# wider heads need fewer for the ring to fit).
+# structure (ws.py) with dS in place of P. Keys per ring step: the K descriptor's box rows (the launch's 64 up to
+# d 128; 256-wide tiles take ws_backward_wide.DQ_KEYS for the ring to fit).
 
 
 @gluon.jit
