@@ -1,13 +1,17 @@
-"""Where the host time of a settled tilefuse.linear call goes, on the GPU host: cProfile over many calls of
-one registry input (the decode row M = 1 by default), functions sorted by their own time.
+"""Where the host time of a settled tilefuse call goes, on the GPU host: cProfile over many calls of one
+registry bench case, functions sorted by their own time. The default is linear's decode row M = 1; any op
+and case can be named (the first bench case whose label contains CASE). ``*_backward`` ops run only their
+backward, as in host_per_op.py.
 
-Run on the GPU:  PYTHONPATH=src python benchmarks/host_profile.py [M] [calls]
+Run on the GPU:  PYTHONPATH=src python benchmarks/host_profile.py [--op linear] [--case "M1 "] [--calls 5000]
+  e.g.           PYTHONPATH=src python benchmarks/host_profile.py --op attention_backward \
+                     --case "B16 H16 N1024 d128 causal" --calls 500
 """
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
-import sys
 
 import torch
 
@@ -15,20 +19,38 @@ from tilefuse import registry
 from tilefuse.harness.timing import host_us
 
 
-def main(M: int = 1, calls: int = 5000) -> None:
-    spec = registry.get("linear")
-    inputs = spec.make_inputs(dict(shape=(M, 4096, 4096), dtype=torch.bfloat16, activation="gelu", bias=True),
-                              torch.device("cuda"), 0)
-    with torch.no_grad():
-        print(f"host us per call (best of 10 x 200): {host_us(lambda: spec.fused(**inputs), 200, 10, 200):.1f}")
+def pick_case(spec, case: str):
+    for params in spec.bench_cases:
+        if case in spec.label(params) + " ":
+            return params
+    labels = ", ".join(spec.label(p) for p in spec.bench_cases)
+    raise SystemExit(f"no bench case of {spec.name} has {case!r} in its label: {labels}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", default="linear")
+    ap.add_argument("--case", default="M1 ", help="a substring of the case's label (a trailing space is added "
+                    "to the label, so 'M1 ' matches '... M1' but not 'M16')")
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args()
+    spec = registry.get(args.op)
+    params = pick_case(spec, args.case)
+    inputs = spec.make_inputs(params, torch.device("cuda"), 0)
+    fn = lambda: spec.fused(**inputs)  # noqa: E731
+    grad = torch.enable_grad if spec.name.endswith("_train") else torch.no_grad
+    with grad():
+        print(f"{spec.name} {spec.label(params)}: host us per call (best of 10 x 100): "
+              f"{host_us(fn, 100, 10, 100):.1f}")
         profile = cProfile.Profile()
         profile.enable()
-        for _ in range(calls):
-            spec.fused(**inputs)
+        for _ in range(args.calls):
+            fn()
         profile.disable()
         torch.cuda.synchronize()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(args.rows)
 
 
 if __name__ == "__main__":
-    main(*[int(a) for a in sys.argv[1:]])
+    main()
