@@ -425,28 +425,33 @@ def layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, ac
     """``act(norm(x) @ weight^T + bias)`` for rows x2d [M, K] (unit column stride, M, K > 0); norm
     parameters [K] dense or None. Returns y [M, N] contiguous, and with ``save_slope`` (y, act'(pre))."""
     precision = precision_for(x2d.dtype, x2d.is_cuda)
-    return _NORM_LINEAR.run((x2d, norm_weight, norm_bias, weight, bias),
-                            (eps, is_rms, activation, precision, save_slope),
-                            lambda: _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms,
-                                                       activation, precision, path, save_slope))
+    out = _NORM_LINEAR.run((x2d, norm_weight, norm_bias, weight, bias),
+                           (eps, is_rms, activation, precision, save_slope),
+                           lambda: _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms,
+                                                      activation, precision, path, save_slope))
+    return out[:2] if save_slope else out[0]
 
 
 def _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path,
                        save_slope):
+    """(y, [slope,] the temporaries): the row statistics and the fold's tensors are returned beside the outputs,
+    so that the fast path's plan allocates them too and a later call replays every launch (a launch argument
+    made here and not returned would send every call down the full path)."""
     M = x2d.shape[0]
     N = weight.shape[0]
     y2d = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     slopes = (torch.empty_like(y2d),) if save_slope else ()
-    out = (y2d, *slopes) if save_slope else y2d
     if path == runtime.COMPILED and x2d.dtype != torch.float32 and tma_supported(x2d, weight, y2d):
-        cfg = _norm_linear_tma(x2d, is_rms, eps, norm_weight, norm_bias, weight, bias, y2d, activation, slopes=slopes)
+        cfg, temporaries = _norm_linear_tma(x2d, is_rms, eps, norm_weight, norm_bias, weight, bias, y2d, activation,
+                                            slopes=slopes)
         launches.record("layer_norm_linear", path, "tma, norm in epilogue", lambda: tuning.describe(cfg))
-        return out
-    mean, rstd = norm_statistics(x2d, eps, is_rms, interpret=path == runtime.INTERPRETER)
+        return (y2d, *slopes, *temporaries)
+    stats = norm_statistics(x2d, eps, is_rms, interpret=path == runtime.INTERPRETER)
+    mean, rstd = stats
     cfg = _launch_norm_prologue(x2d, mean, rstd, norm_weight, norm_bias, weight, bias, y2d, is_rms, activation,
                                 precision, interpret=path == runtime.INTERPRETER, slopes=slopes)
     launches.record("layer_norm_linear", path, "norm in prologue", lambda: tuning.describe(cfg))
-    return out
+    return (y2d, *slopes, stats)
 
 
 def fold_weight(w, gamma, beta, b, is_rms: bool):
@@ -474,11 +479,14 @@ def fold_weight(w, gamma, beta, b, is_rms: bool):
 
 def _norm_linear_tma(x2d, is_rms, eps, gamma, beta, w, b, y2d, activation, config: dict | None = None, slopes=()):
     """layer_norm_linear on Hopper: the fold and the rows' statistics (the norms family's pre-pass), then the
-    TMA GEMM on raw x, which applies them in its epilogue. ``config`` pins the GEMM's config."""
+    TMA GEMM on raw x, which applies them in its epilogue. ``config`` pins the GEMM's config. Returns (the GEMM's
+    config, the temporaries made here: the statistics and whichever of the fold's outputs are not w or b)."""
     wf, shift, colsum = fold_weight(w, gamma, beta, b, is_rms)
     stats = norm_statistics(x2d, eps, is_rms, interpret=runtime.execution_path(x2d) == runtime.INTERPRETER)
-    return _launch_tma(x2d, wf, shift, y2d, activation, config=config, norm=(2 if is_rms else 1, colsum, stats),
-                       slopes=slopes)
+    cfg = _launch_tma(x2d, wf, shift, y2d, activation, config=config, norm=(2 if is_rms else 1, colsum, stats),
+                      slopes=slopes)
+    temporaries = tuple(t for t in (wf, shift, colsum) if t is not None and t is not w and t is not b)
+    return cfg, (stats, *temporaries)
 
 
 def _launch_norm_prologue(x2d, mean, rstd, gamma, beta, w, b, y2d, is_rms, activation, input_precision, interpret,
