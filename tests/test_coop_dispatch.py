@@ -191,18 +191,31 @@ def test_training_backward_on_the_cooperative_kernel_replays(pinned_tuners):
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
-@pytest.mark.parametrize("case", ["small", "no activation", "switch off", "gated"])
+@pytest.mark.parametrize("case", ["small", "no activation", "switch off"])
 def test_training_backward_keeps_todays_kernels_elsewhere(pinned_tuners, monkeypatch, case):
-    """Below the thresholds, without an activation, with COOP_BACKWARD off and for gated activations, the
-    backward launches what it launched before: the tuned pointer dx and the TMA dW."""
+    """Below the thresholds, without an activation and with COOP_BACKWARD off, the backward launches what it
+    launched before: the tuned pointer dx and the TMA dW."""
     M, K, N = (512, 1024, 1024) if case == "small" else (2100, 2056, 4360)
     if case == "switch off":
         monkeypatch.setattr(launch, "COOP_BACKWARD", False)
-    activation = {"no activation": None, "gated": "swiglu"}.get(case, "gelu")
+    activation = None if case == "no activation" else "gelu"
     _, bwd, kinds = _train_step(M, K, N, activation)
-    assert [r.kernel for r in bwd] == ["grad_input_kernel"] + ["grad_weight_tma_kernel"] * (2 if case == "gated"
-                                                                                             else 1)
+    assert [r.kernel for r in bwd] == ["grad_input_kernel", "grad_weight_tma_kernel"]
     assert not any("cooperative" in k for k in kinds)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
+def test_gated_training_backward_takes_the_cooperative_kernel_for_each_dw(pinned_tuners):
+    """SwiGLU at (2100, 2056, 4360): dx sums two products (g_gate @ W_gate + g_up @ W_up) and keeps the tuned
+    pointer kernel; each branch's dW (+ db) is one product g_branch^T x, with its own slope, and takes the
+    cooperative kernel as the plain dW does."""
+    _, bwd, kinds = _train_step(2100, 2056, 4360, "swiglu")
+    assert [r.kernel for r in bwd] == ["grad_input_kernel", "gemm_coop_ws_kernel", "gemm_coop_ws_kernel"]
+    assert all(r.kwargs["TRANS_A"] and r.kwargs["HAS_DB"] and r.kwargs["HAS_SLOPE"] for r in bwd[1:])
+    # the two dW launches read the two slopes (different tensors) and write the two dW halves
+    assert bwd[1].pointers != bwd[2].pointers
+    assert kinds == ["grad input, g = dy * slope in its loads"] + [
+        "grad weight (cooperative warp-specialized) + bias, g = dy * slope in its loads"] * 2
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")

@@ -563,7 +563,9 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
         return dy.new_empty((0,))
     flags = dict(HAS_SLOPE=slope is not None, INPUT_PRECISION=precision,
                  UPCAST_DOT=interpret and x.dtype == torch.bfloat16)
-    s_coop = s2d if slope is not None and not gated else None  # the cooperative kernel's slope: plain only
+    # The cooperative kernel's slope for dx: plain only (gated dx sums two products, g_gate @ W_gate + g_up @ W_up,
+    # which the kernel does not); each gated branch's dW is one product, g_branch^T x, and takes it as plain dW does.
+    s_coop = s2d if slope is not None and not gated else None
     dx = none()
     if need_dx:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -598,8 +600,8 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
             db = dw
             if fused_db:
                 db = dbs[i] = torch.empty(N, dtype=x.dtype, device=x.device)
-            if x2d is not None and coop_backward(dw, dy2d, s_coop, x2d, path, "dW"):
-                coop.launch(dy2d, s2d, x2d, dw, trans_a=True, db=db if fused_db else None,
+            if x2d is not None and coop_backward(dw, dy2d, sb if slope is not None else None, x2d, path, "dW"):
+                coop.launch(dy2d, sb, x2d, dw, trans_a=True, db=db if fused_db else None,
                             config=COOP_BACKWARD_CONFIG)
                 launches.record("linear_backward", path, "grad weight (cooperative warp-specialized)"
                                 + (" + bias" if fused_db else "") + ", g = dy * slope in its loads",
