@@ -10,8 +10,9 @@ from tilefuse.ops import linear as linear_op
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
-# Llama-7B's MLP: K = 4096 hidden, N = 11008 intermediate.
-BENCH_SHAPES = [(2048, 4096, 11008), (8192, 4096, 11008)]
+# Llama-7B's MLP: K = 4096 hidden, N = 11008 intermediate; and Llama-3-8B's / Mistral-7B's N = 14336 (the GEMM
+# engine issue's SwiGLU row).
+BENCH_SHAPES = [(2048, 4096, 11008), (8192, 4096, 11008), (8192, 4096, 14336)]
 
 
 def make_inputs(params: dict, device, seed: int) -> dict:
