@@ -486,3 +486,25 @@ def test_backward_keeps_the_portable_passes_past_head_dim_128_elsewhere(pinned_t
         assert [r.kernel for r in runs] == ["attention_bwd_rowdot_kernel", "attention_bwd_dkdv_ws_kernel",
                                             "attention_bwd_dq_ws_kernel"], runs
         assert recs == [(launch.WS_BACKWARD_KERNEL, "s2 d128")], recs
+
+
+@pytest.mark.gpu_only
+def test_forward_and_backward_allocate_nothing_that_grows_with_n_squared():
+    """Forward and backward at N = 32k (bf16, d 128, causal): the step's peak allocation is its [B, H, N, d]
+    tensors (out, the three gradients, a dout copy at most) and fp32 rows (lse, D); one head's [N, N] fp32 scores
+    alone would be 4 GiB."""
+    B, H, N, d = 1, 8, 32768, 128
+    q, k, v = (_r(B, H, N, d, seed=s, device="cuda").to(torch.bfloat16).requires_grad_() for s in range(3))
+    do = _r(B, H, N, d, seed=3, device="cuda").to(torch.bfloat16)
+    tilefuse.attention(q, k, v, causal=True).backward(do)  # compile and tune outside the measurement
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    tilefuse.attention(q, k, v, causal=True).backward(do)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    per = q.numel() * q.element_size()  # 64 MiB
+    expected = 5 * per + 2 * B * H * N * 4
+    assert extra <= expected + (16 << 20), f"peak grew by {extra / 2**20:.1f} MiB, expected ~{expected / 2**20:.1f}"
