@@ -508,3 +508,52 @@ def test_forward_and_backward_allocate_nothing_that_grows_with_n_squared():
     per = q.numel() * q.element_size()  # 64 MiB
     expected = 5 * per + 2 * B * H * N * 4
     assert extra <= expected + (16 << 20), f"peak grew by {extra / 2**20:.1f} MiB, expected ~{expected / 2**20:.1f}"
+
+
+@pytest.mark.parametrize("case", ["causal gqa", "mask", "softcap", "varlen"])
+def test_dq_by_atomics_matches_float64(device, monkeypatch, case):
+    """The portable passes' other dQ form (launch.BACKWARD_DQ_ATOMIC: dQ's share of every tile added into an fp32
+    buffer by the dK/dV kernel, no dQ pass): gradients against float64 with GQA and causal bottom-right rows,
+    a boolean mask, soft-capping and packed sequences; the record names the form."""
+    from tilefuse.kernels import launches
+    from tilefuse.kernels.attention import launch
+
+    monkeypatch.setattr(launch, "BACKWARD_DQ_ATOMIC", True)
+    monkeypatch.setattr(launch, "BACKWARD_WS", False)  # the portable passes on a GPU too
+    nq, nk = 45, 70
+    q, k, v = _r(2, 4, nq, 32, device=device), _r(2, 2, nk, 32, seed=1, device=device), \
+        _r(2, 2, nk, 32, seed=2, device=device)
+    do = _r(2, 4, nq, 32, seed=3, device=device)
+    kwargs, fn = {}, tilefuse.attention
+    ref = ref_attention.attention
+    if case == "causal gqa":
+        kwargs = dict(causal=True)
+    elif case == "softcap":
+        kwargs = dict(causal=True, softcap=2.0)
+    elif case == "mask":
+        mask = torch.rand(nq, nk, generator=torch.Generator().manual_seed(7)).to(device) > 0.3
+        fn = lambda q, k, v, **_: tilefuse.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)  # noqa: E731
+        ref = lambda q, k, v, **_: ref_attention.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)  # noqa: E731
+    leaves = _leaves(q, k, v)
+    with launches.recording() as recs:
+        if case == "varlen":
+            lens_q = torch.tensor([0, 20, nq], dtype=torch.int32, device=device)
+            lens_k = torch.tensor([0, 30, nk], dtype=torch.int32, device=device)
+            flat = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in leaves]  # [total, H, d]
+            out = tilefuse.attention_varlen(*flat, lens_q, lens_k, 25, 40, causal=True)
+            out.backward(do[0].transpose(0, 1).contiguous())
+            for i, (a, b) in enumerate(zip(lens_q.tolist()[:2], lens_q.tolist()[1:])):
+                ka, kb = lens_k.tolist()[i], lens_k.tolist()[i + 1]
+                seq = [t.detach()[a:b].transpose(0, 1)[None] for t in flat[:1]] + \
+                      [t.detach()[ka:kb].transpose(0, 1)[None] for t in flat[1:]]
+                want = _grads64(lambda q, k, v: ref_attention.attention(q, k, v, causal=True), seq,
+                                (do[0].transpose(0, 1)[a:b].transpose(0, 1)[None],))
+                assert_close(flat[0].grad[a:b].transpose(0, 1)[None], want[0], BOUND, f"varlen seq {i} dq")
+                assert_close(flat[1].grad[ka:kb].transpose(0, 1)[None], want[1], BOUND, f"varlen seq {i} dk")
+        else:
+            fn(*leaves, **kwargs).backward(do)
+            want = _grads64(lambda q, k, v: ref(q, k, v, **kwargs), (q, k, v), (do,))
+            for got, exp, name in zip(leaves, want, "qkv"):
+                assert_close(got.grad, exp, BOUND, f"{case} d{name}")
+    assert [r.kernel for r in recs if r.op == "attention_backward"] == [
+        "portable: rowdot, dk/dv with dq by fp32 atomics"]

@@ -6,7 +6,8 @@ the lse output carries a gradient):
     P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = scale * dS K,  dK = scale * dS^T Q,
 with dS times 1 - tanh^2 under Gemma 2's soft-capping (S = cap * tanh(scale * q.k / cap)); ALiBi's bias is
 a constant of q and k.
-Three kernels, none with atomics, so the gradients are bit-identical run to run:
+Three kernels, none with atomics, so the gradients are bit-identical run to run (a fourth form, DQ_ATOMIC,
+folds the dQ pass into the dK/dV kernel with fp32 atomic adds, for measuring the two against each other):
 - ``attention_bwd_rowdot_kernel``: D per query row (reads dO and O once).
 - ``attention_bwd_dkdv_kernel``: one program per (key block, batch, KV head) walks the query blocks that
   see its keys, for every query head of its GQA group, accumulating dK and dV in registers (the group's
@@ -121,6 +122,9 @@ def attention_bwd_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    # DQ_ATOMIC: also add each tile's dQ share, scale * dS K, into fp32 dq_acc (zeroed, q's [B, H, N, d] view) with
+    # atomics, in place of the dQ pass: no second recompute of S and dP, but the order of the adds varies.
+    DQ_ATOMIC: tl.constexpr = False, dq_acc_ptr=None, stride_dqab=0, stride_dqah=0, stride_dqam=0, stride_dqad=0,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # b * H_KV + h_kv
@@ -205,6 +209,10 @@ def attention_bwd_dkdv_kernel(
                 ds_op = ds_op.to(tl.float32)
             dv = tl.dot(p_op, do, dv, input_precision=INPUT_PRECISION)
             dk = tl.dot(ds_op, q, dk, input_precision=INPUT_PRECISION)
+            if DQ_ATOMIC:
+                dq_part = tl.dot(tl.trans(ds_op), k, input_precision=INPUT_PRECISION) * scale  # [BLOCK_M, BLOCK_D]
+                tl.atomic_add(_tile_ptrs(dq_acc_ptr, b, h, stride_dqab, stride_dqah, row0_q + offs_m, stride_dqam,
+                                         offs_d, stride_dqad), dq_part, mask=qm)
 
     dk = dk * scale
     tl.store(_tile_ptrs(dk_ptr, b, h_kv, stride_dkb, stride_dkh, row0_k + offs_n, stride_dkn, offs_d, stride_dkd),

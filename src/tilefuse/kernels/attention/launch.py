@@ -344,6 +344,11 @@ def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
 
 
 BACKWARD_DKDV_STAGES = 1  # the dK/dV kernel's pipeline depth on 16-bit 64-row tiles (backward_config)
+# The portable passes' dQ by fp32 atomics inside the dK/dV kernel instead of its own pass (backward.py,
+# DQ_ATOMIC). Off: the adds' order varies run to run, which breaks the bit-identical gradients that
+# ``deterministic=True`` (and every default call) gives; on only to measure the two forms side by side
+# (benchmarks/attention_dq_forms.py).
+BACKWARD_DQ_ATOMIC = False
 
 # The warp-specialized passes: on where they apply (False: the portable passes everywhere, for benchmarks);
 # BACKWARD_WS_WIDE: those for head dims past 128 (ws_backward_wide.py's dK/dV pass, ws_backward's dQ pass in
@@ -469,11 +474,21 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     dkdv_flags = flags
     if not interpret and q.element_size() == 2 and cfg["BLOCK_M"] == 64:
         dkdv_flags = dict(flags, num_stages=BACKWARD_DKDV_STAGES)
+    if BACKWARD_DQ_ATOMIC:
+        dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=q.device)  # [B, Hq, Nq, d] (packed: [1, ...])
+        dkdv_flags = dict(dkdv_flags, DQ_ATOMIC=True, dq_acc_ptr=dq_acc,
+                          **dict(zip(("stride_dqab", "stride_dqah", "stride_dqam", "stride_dqad"),
+                                     _strides(dq_acc, varlen))))
     fastpath.launch(attention_bwd_dkdv_kernel, (cdiv(rows_k, cfg["BLOCK_N"]), seqs * Hkv), (
         q, k, v, dout, lse, delta, mask_arg, dk, dv,
         *[s for t in (q, k, v, dout) for s in _strides(t, varlen)], *mask_strides,
         *_strides(dk, varlen), *_strides(dv, varlen),
         Hq, Hkv, Nq, Nk, d, Hq // Hkv, *positions), dkdv_flags)
+    if BACKWARD_DQ_ATOMIC:
+        dq.copy_(dq_acc)
+        launches.record("attention_backward", path, "portable: rowdot, dk/dv with dq by fp32 atomics",
+                        lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']}")
+        return dq, dk, dv
     fastpath.launch(attention_bwd_dq_kernel, (cdiv(rows_q, cfg["BLOCK_M"]), seqs * Hq), (
         q, k, v, dout, lse, delta, mask_arg, dq,
         *[s for t in (q, k, v, dout) for s in _strides(t, varlen)], *mask_strides, *_strides(dq, varlen),
