@@ -504,3 +504,25 @@ def test_qkv_projection_at_decode_size_keeps_the_pointer_kernel(pinned_tuners):
         tilefuse.qkv_projection(x, w, None, num_heads=4)
     assert [launch.kernel for launch in launches] == ["qkv_projection_head_kernel"] * 3
     assert all(launch.grid == (1, 4) for launch in launches)
+
+
+def test_linear_backward_without_an_activation_replays_and_sums_db_outside_the_plan(pinned_tuners):
+    """Without an activation g is dy, and db its column sum (a torch reduction): the sum runs outside the fast
+    path's plan, so a second training step on new tensors replays the dx and dW GEMMs (qkv_projection's backward
+    is such a call), and db is still dy's column sum."""
+    import tilefuse
+
+    M, K, N = 512, 1024, 1024
+    with stubbed_launches() as launches_, launches.recording() as recs:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(M, K, generator=g).to(torch.bfloat16).requires_grad_()
+            w = torch.randn(N, K, generator=g).to(torch.bfloat16).requires_grad_()
+            b = torch.randn(N, generator=g).to(torch.bfloat16).requires_grad_()
+            dy = torch.randn(M, N, generator=g).to(torch.bfloat16)
+            n = len(launches_)
+            _, _, db = torch.autograd.grad(tilefuse.linear(x, w, b), (x, w, b), dy)
+            torch.testing.assert_close(db, dy.float().sum(0).to(torch.bfloat16))
+    backward = [(r.kernel, r.replayed) for r in recs if r.op == "linear_backward"]
+    assert len(backward) == 4 and not any(done for _, done in backward[:2]) and all(done for _, done in backward[2:])
+    assert all(launch.replay for launch in launches_[n:]), [(launch.kernel, launch.replay) for launch in launches_[n:]]

@@ -522,9 +522,17 @@ def linear_backward(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, 
     is dense, db [N]; an output not asked for is an empty tensor (db needs the dW kernel, so need_db also
     returns dW)."""
     precision = precision_for(x.dtype, x.is_cuda)
-    return _LINEAR_BACKWARD.run(
-        (dy, x, w, w_up, slope, slope_up), (precision, need_dx, need_dw, need_db),
-        lambda: _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path))
+    # Without an activation g is dy itself and db its column sum, a torch reduction: made here, outside the fast
+    # path's plan, whose outputs must all come from its kernels (else every call would take the full path).
+    db_by_sum = need_db and slope is None and w_up is None
+    in_plan_db = need_db and not db_by_sum
+    grads = _LINEAR_BACKWARD.run(
+        (dy, x, w, w_up, slope, slope_up), (precision, need_dx, need_dw, in_plan_db),
+        lambda: _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, in_plan_db, path))
+    if db_by_sum:
+        db = dy.sum(dim=tuple(range(dy.dim() - 1)), dtype=torch.float32).to(x.dtype)
+        grads = (grads[0], grads[1], db)
+    return grads
 
 
 # Hopper's dW kernel (backward.py: grad_weight_tma_kernel), taken where its operands allow (measured faster than
