@@ -276,3 +276,18 @@ def test_packed_sequences_with_flash_offsets_run_as_one_varlen_call(device, monk
     assert len(calls) == 4 and cu2._tilefuse_longest == 7
     assert _rel(got, want) <= REL_L2_BOUND[DTYPE]
     assert torch.equal(got2, got)
+
+
+def test_layers_that_cannot_be_copied_fall_back_to_the_whole_model_check(device, monkeypatch):
+    """When a layer's float64 copy cannot be made (a module deepcopy refuses, or no memory for it), the probe keeps
+    the whole model's output and the steps are checked through the whole model, as the report says."""
+    model = _model("llama", device)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("not copyable")
+    monkeypatch.setattr(patching_hf.copy, "deepcopy", refuse)
+    reference = patching_hf.ProbeReference(model)
+    assert not reference.layers and reference.whole is not None
+    report = tilefuse.patch(model)
+    checks = {path: check for path, _, _, check in report.replaced}
+    assert "the whole model" in checks["attention"], checks["attention"]
