@@ -530,7 +530,7 @@ def linear_backward(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, 
         (dy, x, w, w_up, slope, slope_up), (precision, need_dx, need_dw, in_plan_db),
         lambda: _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, in_plan_db, path))
     if db_by_sum:
-        db = dy.sum(dim=tuple(range(dy.dim() - 1)), dtype=torch.float32).to(x.dtype)
+        db = dy.reshape(-1, w.shape[0]).sum(0, dtype=torch.float32).to(x.dtype)  # any leading dims, 1-D too
         grads = (grads[0], grads[1], db)
     return grads
 
