@@ -522,9 +522,11 @@ def linear_backward(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, 
     is dense, db [N]; an output not asked for is an empty tensor (db needs the dW kernel, so need_db also
     returns dW)."""
     precision = precision_for(x.dtype, x.is_cuda)
-    # Without an activation g is dy itself and db its column sum, a torch reduction: made here, outside the fast
-    # path's plan, whose outputs must all come from its kernels (else every call would take the full path).
-    db_by_sum = need_db and slope is None and w_up is None
+    # Without an activation (never gated: a gate always saves its slopes) g is dy itself, already in HBM, and db
+    # its column sum: one read of dy, eager's own db, made here as a torch reduction outside the fast path's plan
+    # (whose outputs must all come from its kernels). The dW kernel does not sum db from a loaded dy tile: one
+    # tile feeding both the dot and the elementwise sum compiles wrong on sm_90 with triton 3.6 (NOTES.md).
+    db_by_sum = need_db and slope is None
     in_plan_db = need_db and not db_by_sum
     grads = _LINEAR_BACKWARD.run(
         (dy, x, w, w_up, slope, slope_up), (precision, need_dx, need_dw, in_plan_db),
@@ -592,12 +594,9 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
             launches.record("linear_backward", path, "grad input, g = dy * slope in its loads",
                             lambda: tuning.describe(cfg))
     dws, dbs = [none(), none()], [none(), none()]
-    # Without an activation g is dy itself, already in HBM: db is its column sum, one read of dy (eager's
-    # own db). The dW kernel sums db only from a g it makes (dy * slope): a loaded dy tile feeding both the
-    # dot and the elementwise sum compiles wrong on sm_90 with triton 3.6 (NOTES.md).
+    # db comes from the dW kernel only with a slope, summed from the g it makes (dy * slope); without one the
+    # caller (linear_backward) sums dy itself.
     fused_db = need_db and slope is not None
-    if need_db and not fused_db:
-        dbs[0] = dy2d.sum(0, dtype=torch.float32).to(x.dtype)
     if need_dw or fused_db:
         x_rows, m_inner, s_outer, s_inner, s_k = row_addressing(x)
         two_strides = s_outer != 0 and m_inner != M

@@ -13,10 +13,9 @@ On Hopper with 16-bit operands (TMA-able layouts) the normalization moves past t
 once per call (2*N*K*s + 8*N bytes: W read, W' written; N*K*s when gamma is None), the same statistics
 pre-pass writes mean and rstd, and the TMA GEMM runs its plain main loop on raw x, with
 ``rstd * (acc - mean * s) + c`` in its epilogue. Fused bytes there: (2*M*K + N*K + M*N)*s + the fold +
-16*M, against unfused's (3*M*K + N*K + M*N)*s. The register prologue above runs at about half the linear
-kernel's rate on the H200 (311 against 600 TFLOP/s at 8192x4096x4096), and so did an epilogue form that
-summed the statistics from the GEMM's own x tiles (334 LayerNorm, 468 RMSNorm TFLOP/s: the sums stall the
-wgmma issue, and reading the tile into registers cost a pipelining workaround); benchmarks/NOTES.md.
+16*M, against unfused's (3*M*K + N*K + M*N)*s. The statistics come from a pre-pass rather than from the GEMM's
+own x tiles so that its main loop stays linear's (any math on the x tile there stalls the wgmma issue); the
+register prologue above runs at about half the linear kernel's rate on the H200 (benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
