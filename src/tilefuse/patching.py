@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from tilefuse import nn as tnn
 from tilefuse.opspec import REL_L2_BOUND
+from tilefuse.patching_hf import rel_l2 as _rel_l2
 
 _ORIGINALS = "_tilefuse_originals"  # attribute on the patched root: path -> the module it replaced
 
@@ -62,11 +63,6 @@ def _probe(features: int, like: torch.nn.Module) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, features, generator=g)
     return x.to(device=p.device, dtype=p.dtype) if p is not None else x
-
-
-def _rel_l2(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _verify(original, candidate, features):

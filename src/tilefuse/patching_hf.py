@@ -44,6 +44,12 @@ _STATE = "_tilefuse_hf_state"  # on the patched root: {"attn_implementation": ..
 _registered = False
 
 
+def rel_l2(out, ref) -> float:
+    """``|out - ref| / |ref|`` in float64: every patch check's measure."""
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def is_hf_model(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     return hasattr(model, "set_attn_implementation") and hasattr(config, "_attn_implementation")
@@ -419,7 +425,7 @@ def _agrees(model, reference: ProbeReference) -> tuple[bool, str]:
         if reference.whole is not None:
             ids, mask = _probe_batch(model)
             got = _tokens(_run_probe(model, ids, mask), mask)
-            errors = [float((got - reference.whole).norm() / reference.whole.norm().clamp_min(1e-30))]
+            errors = [rel_l2(got, reference.whole)]
         else:
             errors = []
             was_training = model.training
@@ -428,7 +434,7 @@ def _agrees(model, reference: ProbeReference) -> tuple[bool, str]:
                 with torch.no_grad():
                     for layer, args, kwargs, want in reference.layers:
                         got = _tokens(layer(*args, **kwargs), reference.mask)
-                        errors.append(float((got - want).norm() / want.norm().clamp_min(1e-30)))
+                        errors.append(rel_l2(got, want))
             finally:
                 model.train(was_training)
     except Exception as exc:  # noqa: BLE001 - any failure means: undo the step, and say why
@@ -459,7 +465,7 @@ def _loss_agrees(model) -> tuple[bool, str]:
     finally:
         model.train(was_training)
     bound = REL_L2_BOUND.get(p.dtype, 1e-2)
-    err = float((got - want).abs() / want.abs().clamp_min(1e-30))
+    err = rel_l2(got, want)
     if not err <= bound:
         return False, f"loss rel error {err:.2e} against the model's own above the bound {bound:.0e}"
     return True, f"loss rel error {err:.1e} <= {bound:.0e} on a probe batch with ignored labels"
