@@ -5,7 +5,7 @@
 # tool returns at most 8 files, at most 2 folders deep: the report folder travels as one tar).
 # Knobs (environment): GPU_CHECK_LIMIT total seconds (default 540), TESTS=0 to skip tests, TESTS_LIMIT
 # seconds for them, REPORT=0 to skip the report, SANITIZE=1 to run compute-sanitizer memcheck over the
-# tests matching SAN_K (default test_linear),
+# tests matching SAN_K (default test_linear) in SAN_FILES (default: tests),
 # CACHE_OUT=1 to return the Triton cache, a carried .carry/results*.log to skip tests that passed in an
 # earlier call (each call writes $OUT/results.log: outcome, seconds and id of every test as it ends),
 # TEST_K a pytest -k expression for the tests, TEST_FILES the test files (default: tests; the registry grid
@@ -98,7 +98,7 @@ if [ "${LABS:-0}" != 0 ]; then
 fi
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   TILEFUSE_AUTOTUNE=0 timeout "${SANITIZE_LIMIT:-150}" compute-sanitizer --tool memcheck --error-exitcode 3 \
-    python3 -m pytest -q -x -p no:cacheprovider tests -k "${SAN_K:-test_linear}" > "$OUT/sanitizer.log" 2>&1
+    python3 -m pytest -q -x -p no:cacheprovider ${SAN_FILES:-tests} -k "${SAN_K:-test_linear}" > "$OUT/sanitizer.log" 2>&1
   echo "sanitizer exit: $?" >> "$OUT/sanitizer.log"
   tail -3 "$OUT/sanitizer.log"
 fi

@@ -16,6 +16,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # twice Liger's 65536 limit.
 BENCH_SHAPES = [(16384, 4096), (4096, 16384), (65536, 1024), (2048, 131072)]
 NORM_LINEAR_SHAPES = [(8192, 4096, 4096), (16384, 768, 2304)]
+# The GEMM-engine issue's second target shape (an MLP up-projection after the norm, GPT-2-small widths).
+NORM_LINEAR_MLP_SHAPE = (16384, 768, 3072)
 
 NORM_TEST_GRID = {
     # (33, 70) one tile; (1, 1) a row of one; (7, 300) and (2, 129) loop over chunks in the
@@ -400,7 +402,8 @@ LAYER_NORM_LINEAR = OpSpec(
     bench_cases=([dict(shape=s, dtype=BF16, norm="layer", bias=True) for s in NORM_LINEAR_SHAPES]
                  + [dict(shape=s, dtype=BF16, norm="rms", bias=False) for s in NORM_LINEAR_SHAPES]
                  + [dict(shape=NORM_LINEAR_SHAPES[1], dtype=BF16, norm="layer", bias=True, activation="gelu")]
-                 + [dict(shape=NORM_LINEAR_SHAPES[1], dtype=FP16, norm="layer", bias=True)]),
+                 + [dict(shape=NORM_LINEAR_SHAPES[1], dtype=FP16, norm="layer", bias=True)]
+                 + [dict(shape=NORM_LINEAR_MLP_SHAPE, dtype=BF16, norm="layer", bias=True)]),
     accuracy_cases={
         "cpu": [dict(shape=(33, 70, 45), dtype=d, norm=n) for d in (FP32, BF16) for n in ("layer", "rms")],
         "gpu": [dict(shape=(1000, 2048, 1030), dtype=d, norm="layer") for d in (FP32, FP16, BF16)]
