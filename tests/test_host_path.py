@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 import triton
 
 from tilefuse import registry, sizes, tuning
@@ -526,3 +527,44 @@ def test_linear_backward_without_an_activation_replays_and_sums_db_outside_the_p
     backward = [(r.kernel, r.replayed) for r in recs if r.op == "linear_backward"]
     assert len(backward) == 4 and not any(done for _, done in backward[:2]) and all(done for _, done in backward[2:])
     assert all(launch.replay for launch in launches_[n:]), [(launch.kernel, launch.replay) for launch in launches_[n:]]
+
+
+class _Allocations(TorchDispatchMode):
+    """Element counts of the tensors every factory op inside the block makes (empty, zeros, full, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and not any(isinstance(a, torch.Tensor) for a in args) \
+                or func.__name__.startswith(("empty_like", "zeros_like", "new_empty", "new_zeros")):
+            self.numels.append(out.numel())
+        return out
+
+
+@pytest.mark.parametrize("shape", [(2048, 1024, 4096), (512, 1024, 1024)], ids=["cooperative", "tma"])
+def test_swiglu_allocates_its_output_and_no_other_m_by_n_tensor(shape, pinned_tuners, monkeypatch):
+    """The gate and up products stay on chip: on the compiled path a SwiGLU call allocates one tensor of
+    M x N elements (y) and nothing else that large, on the cooperative kernel (large N) and on the TMA one.
+    The reference path, which materializes gate and up, shows the recorder sees such intermediates."""
+    from tilefuse import runtime
+    from tilefuse.ops.linear import _gated_linear_impl
+
+    M, K, N = shape
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    w_gate, w_up = (torch.randn(N, K, dtype=torch.bfloat16) for _ in range(2))
+    with torch.no_grad(), stubbed_launches() as launched:
+        recorder = _Allocations()
+        with recorder:
+            y, _, _ = _gated_linear_impl(x, w_gate, w_up, None, None, "swiglu", False)
+    assert launched and tuple(y.shape) == (M, N)
+    assert [n for n in recorder.numels if n >= M * N] == [M * N], recorder.numels
+    monkeypatch.setattr(runtime, "execution_path", lambda t: runtime.REFERENCE)
+    with torch.no_grad():
+        small = (torch.randn(5, 7), torch.randn(6, 7), torch.randn(6, 7))
+        recorder = _Allocations()
+        with recorder:
+            _gated_linear_impl(*small, None, None, "swiglu", False)  # the CPU reference: gate, up and y
+    assert len([n for n in recorder.numels if n >= 5 * 6]) >= 3, recorder.numels
