@@ -463,7 +463,7 @@ def test_a_replay_on_another_thread_sets_that_threads_allocator():
         def run(self, *args):
             seen.append(not isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
 
-    step = fastpath._Step(Compiled(), (1, 1, 1), [], [], None)
+    step = fastpath._Step(Compiled(), (1, 1, 1), [], [], [], None)
     plan = fastpath.Plan([((1,), (1,), torch.float32)], [step], 0, [], True)
     worker = threading.Thread(target=plan, args=((torch.zeros(1),),))
     worker.start()
@@ -568,3 +568,68 @@ def test_swiglu_allocates_its_output_and_no_other_m_by_n_tensor(shape, pinned_tu
         with recorder:
             _gated_linear_impl(*small, None, None, "swiglu", False)  # the CPU reference: gate, up and y
     assert len([n for n in recorder.numels if n >= 5 * 6]) >= 3, recorder.numels
+
+
+def test_warp_specialized_attention_replays_with_descriptors_at_the_new_calls_addresses(pinned_tuners, monkeypatch):
+    """The attention forward past the in-kernel descriptors' waves and the backward's Gluon passes take host TMA
+    descriptors. A second forward and backward on new tensors replays every launch, and each descriptor it hands
+    the launcher views the second call's tensor exactly as the full path's descriptor on those tensors does (same
+    tensor, shape and strides); D, which every backward pass reads, comes with the plan."""
+    from tilefuse import runtime
+    from tilefuse.kernels.attention import launch as attention_launch
+
+    monkeypatch.setattr(fastpath, "REPLAY_HOST_DESCRIPTORS", True)
+    B, H, N, d = 2, 16, 4096, 64  # 1024 query tiles of 64 rows: past the in-kernel descriptors' 528 CTAs
+
+    def call():
+        q, k, v, dout = (torch.empty(B, H, N, d, dtype=torch.bfloat16) for _ in range(4))
+        out, lse = attention_launch.forward(q, k, v, None, 0.125, 0, -1, -1, True, runtime.COMPILED)
+        dq, dk, dv = attention_launch.backward(dout, q, k, v, out, lse, None, None, 0.125, 0, -1, -1, runtime.COMPILED)
+        return dict(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+    def named(runs, tensors):
+        names = {t.data_ptr(): name for name, t in tensors.items()}
+        return [(r.kernel, r.grid, [(names.get(ptr, "?"), shape, strides) for ptr, shape, strides in r.descriptors])
+                for r in runs]
+
+    with torch.no_grad(), stubbed_launches() as runs:
+        call()
+        n = len(runs)
+        second = call()
+        replayed = runs[n:]
+        fastpath.clear_all()
+        m = len(runs)
+        third = call()
+        full = runs[m:]
+    assert [r.kernel for r in full] == ["attention_fwd_ws_kernel", "attention_bwd_rowdot_kernel",
+                                        "attention_bwd_dkdv_ws_kernel", "attention_bwd_dq_ws_kernel"], full
+    assert not any(r.replay for r in full) and all(r.replay for r in replayed), replayed
+    assert full[0].descriptors and all(name != "?" for _, _, ds in named(full, third) for name, _, _ in ds)
+    assert named(replayed, second) == named(full, third)
+    assert sum(len(r.descriptors) for r in replayed) == 4 + 6 + 5  # q, k, v, out; q, k, v, dout, dk, dv; q, k, v, dout, dq
+
+
+def test_the_portable_attention_backward_replays_with_d_in_its_plan(pinned_tuners):
+    """With a bool mask (broadcast over batch and heads) the backward runs the portable passes, whose arguments
+    are all tensors: D, the row-dot kernel's output that both passes read, is an output of the plan, so a second
+    call replays all three launches on its own tensors."""
+    from tilefuse import runtime
+    from tilefuse.kernels.attention import launch as attention_launch
+
+    B, H, N, d = 2, 4, 300, 64
+
+    def call():
+        q, k, v, dout, out = (torch.empty(B, H, N, d, dtype=torch.bfloat16) for _ in range(5))
+        lse = torch.empty(B, H, N)
+        mask = torch.ones(N, N, dtype=torch.bool).tril().expand(B, H, N, N)
+        grads = attention_launch.backward(dout, q, k, v, out, lse, None, mask, 0.125, 0, -1, -1, runtime.COMPILED)
+        return [t.data_ptr() for t in (q, k, v, dout, *grads)], grads
+
+    with torch.no_grad(), stubbed_launches() as runs:
+        call()
+        n = len(runs)
+        ptrs, grads = call()
+    assert [r.kernel for r in runs[n:]] == ["attention_bwd_rowdot_kernel", "attention_bwd_dkdv_kernel",
+                                            "attention_bwd_dq_kernel"]
+    assert all(r.replay for r in runs[n:]) and len(grads) == 3
+    assert set(ptrs) <= {p for r in runs[n:] for p in r.pointers}  # the second call's inputs and gradients

@@ -27,10 +27,19 @@ class Launch:
     kwargs: dict = field(repr=False)
     replay: bool = False  # issued by the launch layer's fast path (kernels/fastpath.py), not Triton's
     pointers: tuple = ()  # the address of every pointer argument, in parameter order
+    descriptors: tuple = ()  # (base address, shape, strides) of every host TMA descriptor, in parameter order
 
 
 def _pointers(values) -> tuple:
     return tuple(v.data_ptr() for v in values if isinstance(v, torch.Tensor))
+
+
+def _is_descriptor(value) -> bool:
+    return hasattr(value, "base") and hasattr(value, "strides")  # Gluon's TensorDescriptor, or a replay's
+
+
+def _descriptors(values) -> tuple:
+    return tuple((v.base.data_ptr(), tuple(v.shape), tuple(v.strides)) for v in values if _is_descriptor(v))
 
 
 class StandInDriver:
@@ -79,7 +88,8 @@ class StubCompiledKernel:
         kwargs = {k: values[k] for k in self.kwarg_names}
         pointers = tuple(int(args[i]) for i in self.tensor_positions)
         self.launches.append(Launch(self.name, (grid_0, grid_1, grid_2)[:self.grid_rank],
-                                    {**kwargs, **self.options}, replay=True, pointers=pointers))
+                                    {**kwargs, **self.options}, replay=True, pointers=pointers,
+                                    descriptors=_descriptors(args)))
 
 
 def _launcher_classes():
@@ -102,7 +112,8 @@ def stubbed_launches(sms: int = 132, major: int = 9):
         meta = {**dict(zip(self.arg_names, args)), **kwargs}
         g = tuple(grid(meta) if callable(grid) else grid)
         ordered = [meta.get(name) for name in self.arg_names]
-        launches.append(Launch(self.fn.__name__, g, kwargs, pointers=_pointers(ordered)))
+        launches.append(Launch(self.fn.__name__, g, kwargs, pointers=_pointers(ordered),
+                               descriptors=_descriptors(ordered)))
         positions = [i for i, v in enumerate(ordered) if isinstance(v, torch.Tensor)]
         return StubCompiledKernel(self.fn.__name__, self.arg_names, kwargs, len(g), launches, positions)
 

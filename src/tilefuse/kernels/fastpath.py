@@ -20,9 +20,15 @@ On a miss it runs the full path once under a capture: every kernel launch of the
 through :func:`launch`, which records the compiled kernel, its grid and its bound arguments. The plan
 is kept only when every tensor argument of every launch is one of the call's inputs or outputs (or a
 view into one, at a fixed byte offset) or a buffer registered with :func:`persistent`, and every
-output is written by some launch; anything else (a temporary, a host descriptor object, an output
-written by a torch op) makes the key take the full path every time. The rule for launch modules:
-outputs are produced only by kernels launched through :func:`launch`.
+output is written by some launch; anything else (a temporary, an output written by a torch op) makes
+the key take the full path every time. The rule for launch modules: outputs are produced only by
+kernels launched through :func:`launch`, and a temporary a launch reads is returned beside them.
+
+A Gluon host TMA descriptor argument (``TensorDescriptor``) follows the same rule through its base
+tensor: the plan keeps its view (shape, strides, padding: fixed by the key), and a replay hands
+Triton's launcher a descriptor of the same view at the new call's address, which the launcher encodes
+as it encodes the full path's. Behind ``REPLAY_HOST_DESCRIPTORS``: off until it has run on a GPU, so
+that until then a launch with a host descriptor keeps its key on the full path.
 
 Interpreter and reference calls never replay (:func:`signature` is None off the compiled path).
 """
@@ -50,6 +56,10 @@ _PERSISTENT: dict[int, torch.Tensor] = {}  # data_ptr -> buffer kept for the pro
 _NO_PLAN = object()
 _FAMILIES: list["Plans"] = []  # every op family's plans, for clear_all
 MAX_PLANS = 4096  # distinct keys kept per op family; beyond that new keys simply take the full path
+# Plans may hold launches with Gluon host TMA descriptors (the attention passes), rebuilt at each replay's
+# addresses. Off: checked on a CPU against the full path's descriptors (tests/test_host_path.py), not yet run on
+# the GPU, where a wrong descriptor would read the wrong memory; benchmarks/NOTES.md has the test to run first.
+REPLAY_HOST_DESCRIPTORS = False
 
 
 def persistent(t: torch.Tensor) -> torch.Tensor:
@@ -82,15 +92,43 @@ def signature(tensors: tuple, scalars: tuple):
             tuple([None if t is None else _tensor_key(t) for t in tensors]))
 
 
+class _Address:
+    """A device address where Triton's launcher takes a tensor: it reads only ``data_ptr()``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class _ReplayDescriptor:
+    """A host TMA descriptor of a captured view at a replay's address: what Triton's launcher reads of a
+    ``TensorDescriptor`` (its base's address, shape, strides and padding) to encode the tensor map."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, ptr: int, shape: tuple, strides: tuple, padding: str):
+        self.base, self.shape, self.strides, self.padding = _Address(ptr), shape, strides, padding
+
+
+def _is_descriptor(value) -> bool:
+    return isinstance(getattr(value, "base", None), torch.Tensor) and hasattr(value, "block_shape")
+
+
 class _Step:
-    """One captured launch: the compiled kernel, its grid, every parameter in order (tensors replaced by
-    None), and where each tensor parameter comes from: (position, slot, byte offset), slot indexing
-    inputs then outputs."""
+    """One captured launch: the compiled kernel, its grid, every parameter in order (tensors and host
+    descriptors replaced by None), where each tensor parameter comes from: (position, slot, byte offset),
+    slot indexing inputs then outputs (-1: a persistent buffer, the offset its address), and each host
+    descriptor: (position, slot, byte offset, shape, strides, padding)."""
 
-    __slots__ = ("compiled", "grid", "args", "sources", "tuner", "tuner_state")
+    __slots__ = ("compiled", "grid", "args", "sources", "descriptors", "tuner", "tuner_state")
 
-    def __init__(self, compiled, grid, args, sources, tuner):
+    def __init__(self, compiled, grid, args, sources, descriptors, tuner):
         self.compiled, self.grid, self.args, self.sources = compiled, grid, args, sources
+        self.descriptors = descriptors
         self.tuner = tuner
         self.tuner_state = None if tuner is None else (tuner.cache, tuner.configs)
 
@@ -126,6 +164,8 @@ class Plan:
             args = step.args.copy()
             for pos, slot, offset in step.sources:
                 args[pos] = ptrs[slot] + offset if slot >= 0 else offset
+            for pos, slot, offset, shape, strides, padding in step.descriptors:
+                args[pos] = _ReplayDescriptor(ptrs[slot] + offset if slot >= 0 else offset, shape, strides, padding)
             k = step.compiled
             g0, g1, g2 = step.grid
             meta = None if enter is None else k.launch_metadata(step.grid, stream, *args)
@@ -201,31 +241,43 @@ class _Capture:
             extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + 1
             spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
         written = {len(inputs) + i for i, t in enumerate(outs) if t.numel() == 0}
+        def locate(value):
+            """(slot, byte offset) of a launch's tensor among the call's, (-1, address) for a persistent
+            buffer, None for anything else (a temporary, or ambiguous between two of the call's tensors)."""
+            ptr = value.data_ptr()
+            hits = [i for i, sp in enumerate(spans) if sp is not None and sp[0] <= ptr < sp[1]]
+            if len(hits) > 1:  # interleaved views (a Conv1D weight's q/k/v columns): the one passed
+                same = [i for i in hits if slots[i] is value]
+                hits = same if len(same) == 1 else hits
+            if len(hits) == 1:
+                if hits[0] >= len(inputs):
+                    written.add(hits[0])
+                return hits[0], ptr - spans[hits[0]][0]
+            if not hits and ptr in _PERSISTENT:
+                return -1, ptr
+            return None
+
         steps = []
         for compiled, grid, bound, tuner in self.launches:
-            args, sources = [], []
+            args, sources, descriptors = [], [], []
             for pos, value in enumerate(bound):
                 if isinstance(value, torch.Tensor):
-                    ptr = value.data_ptr()
-                    hits = [i for i, sp in enumerate(spans) if sp is not None and sp[0] <= ptr < sp[1]]
-                    if len(hits) > 1:  # interleaved views (a Conv1D weight's q/k/v columns): the one passed
-                        same = [i for i in hits if slots[i] is value]
-                        hits = same if len(same) == 1 else hits
-                    if len(hits) == 1:
-                        slot = hits[0]
-                        sources.append((pos, slot, ptr - spans[slot][0]))
-                        if slot >= len(inputs):
-                            written.add(slot)
-                    elif not hits and ptr in _PERSISTENT:
-                        sources.append((pos, -1, ptr))
-                    else:
-                        return None  # a temporary, or ambiguous between two of the call's tensors
+                    found = locate(value)
+                    if found is None:
+                        return None
+                    sources.append((pos, *found))
+                    args.append(None)
+                elif _is_descriptor(value) and REPLAY_HOST_DESCRIPTORS:
+                    found = locate(value.base)
+                    if found is None:
+                        return None
+                    descriptors.append((pos, *found, tuple(value.shape), tuple(value.strides), value.padding))
                     args.append(None)
                 elif value is None or isinstance(value, (int, float, bool, str)):
                     args.append(value)
                 else:
-                    return None  # e.g. a host TMA descriptor object, rebuilt per call
-            steps.append(_Step(compiled, grid, args, tuple(sources), tuner))
+                    return None  # an argument object the plan cannot rebuild at a new address
+            steps.append(_Step(compiled, grid, args, tuple(sources), tuple(descriptors), tuner))
         if len(written) != len(outs):
             return None
         outputs = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outs]

@@ -421,11 +421,14 @@ def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int,
     return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask, alibi, *cu),
                          (scale, pos_offset, window_left, window_right, softcap, None if varlen is None else varlen[2:]),
                          lambda: _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
-                                           window_right, path, softcap, alibi, varlen))
+                                           window_right, path, softcap, alibi, varlen))[:3]
 
 
 def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path, softcap,
               alibi, varlen=None):
+    """(dq, dk, dv, delta): D = rowsum(dO * O), which every pass reads, is returned beside the gradients so that
+    the fast path's plan allocates it and later calls replay the launches (a temporary would send each call
+    down the full path)."""
     from tilefuse.kernels.attention.backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
                                                      attention_bwd_rowdot_kernel)
 
@@ -452,7 +455,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
         launches.record("attention_backward", path, WS_BACKWARD_WIDE_KERNEL if cfg["WIDE"] else WS_BACKWARD_KERNEL,
                         lambda: f"s{cfg['STAGES']} d{cfg['HEAD_D']}"
                         + (f" dq keys {cfg['DQ_KEYS']}" if cfg["WIDE"] else ""))
-        return dq, dk, dv
+        return dq, dk, dv, delta
     has_mask = mask is not None
     mask_is_bool = has_mask and mask.dtype == torch.bool
     if mask_is_bool:
@@ -488,11 +491,11 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
         dq.copy_(dq_acc)
         launches.record("attention_backward", path, "portable: rowdot, dk/dv with dq by fp32 atomics",
                         lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']}")
-        return dq, dk, dv
+        return dq, dk, dv, delta
     fastpath.launch(attention_bwd_dq_kernel, (cdiv(rows_q, cfg["BLOCK_M"]), seqs * Hq), (
         q, k, v, dout, lse, delta, mask_arg, dq,
         *[s for t in (q, k, v, dout) for s in _strides(t, varlen)], *mask_strides, *_strides(dq, varlen),
         Hq, Nq, Nk, d, Hq // Hkv, *positions), flags)
     launches.record("attention_backward", path, "portable: rowdot, dk/dv, dq (no atomics)",
                     lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']}")
-    return dq, dk, dv
+    return dq, dk, dv, delta
