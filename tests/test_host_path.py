@@ -579,6 +579,7 @@ def test_warp_specialized_attention_replays_with_descriptors_at_the_new_calls_ad
     from tilefuse.kernels.attention import launch as attention_launch
 
     monkeypatch.setattr(fastpath, "REPLAY_HOST_DESCRIPTORS", True)
+    monkeypatch.setattr(attention_launch, "BACKWARD_REPLAY", True)
     B, H, N, d = 2, 16, 4096, 64  # 1024 query tiles of 64 rows: past the in-kernel descriptors' 528 CTAs
 
     def call():
@@ -609,13 +610,14 @@ def test_warp_specialized_attention_replays_with_descriptors_at_the_new_calls_ad
     assert sum(len(r.descriptors) for r in replayed) == 4 + 6 + 5  # q, k, v, out; q, k, v, dout, dk, dv; q, k, v, dout, dq
 
 
-def test_the_portable_attention_backward_replays_with_d_in_its_plan(pinned_tuners):
+def test_the_portable_attention_backward_replays_with_d_in_its_plan(pinned_tuners, monkeypatch):
     """With a bool mask (broadcast over batch and heads) the backward runs the portable passes, whose arguments
     are all tensors: D, the row-dot kernel's output that both passes read, is an output of the plan, so a second
     call replays all three launches on its own tensors."""
     from tilefuse import runtime
     from tilefuse.kernels.attention import launch as attention_launch
 
+    monkeypatch.setattr(attention_launch, "BACKWARD_REPLAY", True)
     B, H, N, d = 2, 4, 300, 64
 
     def call():

@@ -358,6 +358,10 @@ BACKWARD_DQ_ATOMIC = False
 BACKWARD_WS = True
 BACKWARD_WS_WIDE = True
 BACKWARD_WS_STAGES = 2
+# The backward through the fast path's plans (D among the plan's outputs, so the launches replay; the Gluon passes
+# also need fastpath.REPLAY_HOST_DESCRIPTORS). Off until the GPU tests have run with it (benchmarks/NOTES.md):
+# every call then takes the full path, as before D was returned.
+BACKWARD_REPLAY = False
 
 
 def ws_backward_usable(q, k, v, mask, window_left, softcap, alibi, varlen) -> bool:
@@ -417,6 +421,9 @@ def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int,
     """(dq, dk, dv) of the attention op from dout [B, Hq, Nq, d] (any strides), the forward's q, k, v, out and
     lse (fp32 [B, Hq, Nq], contiguous), dlse (the lse output's gradient, same layout) or None, and the
     forward's mask and positions. dq/dk/dv contiguous in q's / k's / v's shapes, q's dtype."""
+    if not BACKWARD_REPLAY:
+        return _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path,
+                         softcap, alibi, varlen)[:3]
     cu = varlen[:2] if varlen is not None else (None, None)
     return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask, alibi, *cu),
                          (scale, pos_offset, window_left, window_right, softcap, None if varlen is None else varlen[2:]),
