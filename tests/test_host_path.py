@@ -635,3 +635,47 @@ def test_the_portable_attention_backward_replays_with_d_in_its_plan(pinned_tuner
                                             "attention_bwd_dq_kernel"]
     assert all(r.replay for r in runs[n:]) and len(grads) == 3
     assert set(ptrs) <= {p for r in runs[n:] for p in r.pointers}  # the second call's inputs and gradients
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_patched_models_training_step_replays_every_launch_but_the_fused_loss(family, pinned_tuners, monkeypatch):
+    """A patched Hugging Face model's training step (bf16, head dim 64: the Gluon attention passes) with the
+    attention backward's plans and host-descriptor replays switched on: from the second step every tilefuse launch
+    replays a plan, except the fused loss's (linear_cross_entropy's chunk temporaries keep it on the full path);
+    with them off, the attention backward's launches take the full path too."""
+    import transformers
+
+    import tilefuse
+    from tilefuse.kernels.attention import launch as attention_launch
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=2, n_positions=64, vocab_size=256,
+                                         bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0,
+                                         embd_pdrop=0.0)  # dropout in training runs HF's own attention
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+        model = transformers.LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16)
+    tilefuse.patch(model, verify=False)
+    model.train()
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    def full_path_kernels(switched_on):
+        monkeypatch.setattr(attention_launch, "BACKWARD_REPLAY", switched_on)
+        monkeypatch.setattr(fastpath, "REPLAY_HOST_DESCRIPTORS", switched_on)
+        fastpath.clear_all()
+        with stubbed_launches() as runs:
+            for _ in range(2):
+                model(input_ids=ids, labels=ids).loss.backward()
+            n = len(runs)
+            model(input_ids=ids, labels=ids).loss.backward()
+        step = runs[n:]
+        assert any(r.kernel.startswith("attention_bwd") for r in step), step
+        return {r.kernel for r in step if not r.replay}
+
+    assert {k for k in full_path_kernels(True) if not k.startswith("lce_")} == set()
+    assert {"attention_bwd_rowdot_kernel", "attention_bwd_dkdv_ws_kernel", "attention_bwd_dq_ws_kernel"} \
+        <= full_path_kernels(False)
