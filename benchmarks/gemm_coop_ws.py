@@ -9,6 +9,8 @@ launch runs otherwise.
                                                                # other kernels and cuBLAS
     PYTHONPATH=src python benchmarks/gemm_coop_ws.py forward   # H200: Linear+GELU beside tilefuse.linear and cuBLASLt,
                                                                # then SwiGLU beside tilefuse's gated kernel and eager
+    PYTHONPATH=src python benchmarks/gemm_coop_ws.py gated_dx  # H200: SwiGLU's dx, the GATED_DX form beside the
+                                                               # tuned pointer kernel the launch runs and cuBLAS
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import sys
 import torch
 
 from rows import launch_switches  # benchmarks/rows.py: this script's folder is on sys.path when run by path
-from tilefuse.kernels.gemm.coop import CONFIGS, gated_configs, gated_linear, grad_input, grad_weight, linear
+from tilefuse.kernels.gemm.coop import (CONFIGS, gated_configs, gated_linear, grad_input, grad_input_gated,
+                                        grad_weight, linear)
 
 
 def coop_off():
@@ -39,8 +42,8 @@ def compile_facts():
     from tools.compiler import compile_gluon_sm90
 
     for name in CONFIGS:
-        for gemm in ("forward", "gated", "dx", "dW"):
-            if gemm in ("dx", "dW") and CONFIGS[name].get("FORWARD_ONLY"):
+        for gemm in ("forward", "gated", "dx", "gated_dx", "dW"):
+            if gemm in ("dx", "gated_dx", "dW") and CONFIGS[name].get("FORWARD_ONLY"):
                 continue
             if gemm == "gated" and name not in gated_configs():
                 continue
@@ -149,5 +152,51 @@ def bench():
         print(json.dumps(row), flush=True)
 
 
+GATED_DX_SHAPES = [(8192, 4096, 14336), (2048, 4096, 11008), (2100, 2056, 4360)]  # (M, K, N): gated_linear_train's
+# two rows, then tails on every tile dim
+
+
+def bench_gated_dx():
+    """SwiGLU's dx = (dy * s_gate) @ W_gate + (dy * s_up) @ W_up on GATED_DX_SHAPES: the GATED_DX form at each
+    backward config beside what the launch runs with it off (the tuned pointer kernel) and cuBLAS's two GEMMs and
+    add on precomputed g's; each with its rel-L2 against float64."""
+    from triton.testing import do_bench
+
+    from tilefuse.kernels import fastpath
+    from tilefuse.kernels.gemm import launch
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    for M, K, N in GATED_DX_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        dy, s_gate, s_up = (torch.randn(M, N, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+        w_gate, w_up = ((torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
+                        for _ in range(2))
+        x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+        g_gate, g_up = ((dy.float() * s).to(torch.bfloat16) for s in (s_gate, s_up))
+        ref = g_gate.double() @ w_gate.double() + g_up.double() @ w_up.double()
+        row = {"shape": [M, K, N]}
+
+        def launch_call():
+            return launch.linear_backward(dy, x, w_gate, w_up, s_gate, s_up, True, False, False, "compiled")[0]
+
+        fastpath.clear_all()
+        with launch_switches(launch, COOP_GATED_DX=False):
+            row["launch_rel_l2"] = rel(launch_call(), ref)
+            row["launch_ms"] = do_bench(launch_call)
+        fastpath.clear_all()
+        row["cublas_ms"] = do_bench(lambda: torch.addmm(torch.mm(g_gate, w_gate), g_up, w_up))
+        for name in (n for n, c in CONFIGS.items() if not c.get("FORWARD_ONLY")):
+            try:
+                dx = grad_input_gated(dy, s_gate, w_gate, s_up, w_up, name)
+                torch.cuda.synchronize()
+                row[f"ws_{name}_rel_l2"] = rel(dx, ref)
+                row[f"ws_{name}_ms"] = do_bench(lambda: grad_input_gated(dy, s_gate, w_gate, s_up, w_up, name))
+            except Exception as e:  # a config that fails to compile or launch is reported, the rest still run
+                row[f"ws_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), flush=True)
+
+
 if __name__ == "__main__":
-    {"compile": compile_facts, "bench": bench, "forward": bench_forward}[sys.argv[1] if len(sys.argv) > 1 else "compile"]()
+    {"compile": compile_facts, "bench": bench, "forward": bench_forward, "gated_dx": bench_gated_dx}[sys.argv[1] if len(sys.argv) > 1 else "compile"]()

@@ -219,6 +219,25 @@ def test_gated_training_backward_takes_the_cooperative_kernel_for_each_dw(pinned
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
+def test_gated_dx_takes_the_cooperative_gated_form_when_switched_on(pinned_tuners, monkeypatch):
+    """With COOP_GATED_DX the gated dx at (2100, 2056, 4360) is one cooperative launch of the GATED_DX form: dy with
+    both slopes (s_gate, s_up: the two halves the forward saved) and both weights (the [2N, K] weight's two halves,
+    row-major as dx reads them) into one dx, on the plain dx's config and grid; the dW launches are unchanged."""
+    monkeypatch.setattr(launch, "COOP_GATED_DX", True)
+    _, bwd, kinds = _train_step(2100, 2056, 4360, "swiglu")
+    assert [r.kernel for r in bwd] == ["gemm_coop_ws_kernel"] * 3
+    dx = bwd[0]
+    cfg = coop.CONFIGS[launch.COOP_BACKWARD_CONFIG]
+    want = dict(GATED_DX=True, HAS_SLOPE=True, TRANS_A=False, B_KMAJOR=False, GATED=False, HAS_DB=False,
+                **{k: v for k, v in cfg.items() if k != "FORWARD_ONLY"})
+    assert {k: dx.kwargs[k] for k in want} == want and dx.grid == (SMS,)
+    a, s, su, b, bu = dx.pointers[:5]
+    assert a not in (s, su) and s != su and b != bu  # dy, the two slopes, the two weight halves
+    assert not any(r.kwargs["GATED_DX"] for r in bwd[1:])
+    assert kinds[0] == "grad input gated (cooperative warp-specialized), g = dy * slope for each branch in its loads"
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
 def test_gated_inference_launches_the_cooperative_kernel_and_training_the_tma_kernel(pinned_tuners):
     """SwiGLU at (1000, 1032, 2824) (184 output tiles of 128 x 128) under no_grad: the cooperative kernel, both
     weights K-major, the second call a replay of the first (its descriptors are made in the kernel, so the fast

@@ -247,18 +247,18 @@ def test_warp_specialized_attention_compiles_to_partitions(head_dim, has_left, h
 
 @pytest.mark.parametrize("gemm,activation,db", [
     ("forward", "gelu", False), ("gated", "swiglu", False), ("gated", "geglu", False), ("dx", None, False),
-    ("dW", None, True), ("dW", None, False)])
+    ("gated_dx", None, False), ("dW", None, True), ("dW", None, False)])
 def test_cooperative_gemm_compiles(gemm, activation, db):
     """The cooperative Gluon GEMM (tilefuse.kernels.gemm.coop) at the configs the launch takes for each form --
     the gated forward (SwiGLU / GeGLU: two accumulators per consumer) and the backward's two GEMMs (dW with and
-    without db) -- and the plain forward Linear+GELU at coop.DEFAULT: partitions, setmaxnreg 24/240, the
+    without db; dx plain and gated, the gated one walking both branches' slopes and weights) -- and the plain forward Linear+GELU at coop.DEFAULT: partitions, setmaxnreg 24/240, the
     backward's g made in registers as wgmma's A operand (for dW through a transposed load), the wgmmas not
     serialised by ptxas (it serialises them when a register operand stays in flight across the loop), no
     spills, and the ring within the shared memory."""
     facts = compile_gluon_sm90("tools.compiler", "gemm_coop_ws_compile_job",
                                dict(gemm=gemm, activation=activation, db=db))
     assert facts["warp_specialized"] and facts["wgmma"], facts
-    assert facts["wgmma_a_in_registers"] == (gemm in ("dx", "dW")), facts
+    assert facts["wgmma_a_in_registers"] == (gemm in ("dx", "gated_dx", "dW")), facts
     assert not facts["wgmma_serialized"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts

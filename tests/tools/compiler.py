@@ -178,7 +178,8 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
                              dtype: str = "bfloat16", num_sms: int = 132, db: bool = True):
     """(kernel, signature, constexprs, options) of tilefuse.kernels.gemm.coop.gemm_coop_ws_kernel as its
     ``launch`` runs it for the forward ("forward", ``coop.linear``), the gated forward ("gated", with
-    ``activation`` a GLU, else swiglu), dx ("dx") or dW ("dW", with db unless ``db`` is False), at one of its
+    ``activation`` a GLU, else swiglu), dx ("dx"), the gated dx ("gated_dx": two slopes and weights) or dW ("dW",
+    with db unless ``db`` is False), at one of its
     CONFIGS (default: the config the launch layer takes for that form, kernels/gemm/launch.py's COOP_*_CONFIG;
     for the plain forward, which the launch does not take, coop.DEFAULT)."""
     import torch
@@ -190,17 +191,19 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
         config = {"forward": coop.DEFAULT, "gated": launch.COOP_GATED_CONFIG}.get(gemm, launch.COOP_BACKWARD_CONFIG)
     cfg = coop.CONFIGS[config]
     trans_a, slope, b_kmajor = {"forward": (False, False, True), "gated": (False, False, True),
-                                "dx": (False, True, False), "dW": (True, True, False)}[gemm]
+                                "dx": (False, True, False), "gated_dx": (False, True, False),
+                                "dW": (True, True, False)}[gemm]
     t = torch.empty(256, 256, dtype=getattr(torch, dtype))
-    signature = {name: mangle_type(t) for name in ("a_ptr", "s_ptr", "b_ptr", "bu_ptr", "c_ptr", "bias_ptr",
-                                                   "bias_up_ptr", "db_ptr")}
-    signature.update({name: "i32" for name in ("Mc", "Nc", "R", "stride_a", "stride_s", "stride_b", "stride_bu",
-                                               "stride_c")})
+    signature = {name: mangle_type(t) for name in ("a_ptr", "s_ptr", "su_ptr", "b_ptr", "bu_ptr", "c_ptr",
+                                                   "bias_ptr", "bias_up_ptr", "db_ptr")}
+    signature.update({name: "i32" for name in ("Mc", "Nc", "R", "stride_a", "stride_s", "stride_su", "stride_b",
+                                               "stride_bu", "stride_c")})
     forward = gemm in ("forward", "gated")
     if gemm == "gated" and activation not in ("swiglu", "geglu", "geglu_tanh"):
         activation = "swiglu"
     constexprs = dict(coop.constexprs(trans_a, slope, b_kmajor, forward, activation if forward else None,
-                                      gemm == "dW" and db, cfg, gated=gemm == "gated"), NUM_SMS=num_sms)
+                                      gemm == "dW" and db, cfg, gated=gemm == "gated",
+                                      gated_dx=gemm == "gated_dx"), NUM_SMS=num_sms)
     return coop.gemm_coop_ws_kernel, signature, constexprs, dict(num_warps=4, maxnreg=coop.LAUNCH_MAXNREG)
 
 

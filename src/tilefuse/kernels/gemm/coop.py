@@ -9,6 +9,10 @@ of A's shape made on chip (HAS_SLOPE); B [R, Nc], or B^T stored [Nc, R] (B_KMAJO
 - gated:    y = glu(x @ W_gate^T + b_gate, x @ W_up^T + b_up)   (GATED, B_KMAJOR: both weights as nn.Linear
             keeps them; each K step loads both weight tiles beside x's, each consumer keeps two accumulators and
             applies the SwiGLU/GeGLU epilogue: the gate and up products never reach HBM)
+- gated dx: dx[M, K] = (dy * s_gate) @ W_gate + (dy * s_up) @ W_up   (GATED_DX, HAS_SLOPE: one reduction twice
+            as long; the producer walks N for the gate's slope and weight, then again for the up's, into the
+            same ring, so the consumers run the plain dx's loop over 2 * cdiv(N, BLOCK_K) steps into one
+            accumulator)
 and the plain forward y = act(x @ W^T + b) (B_KMAJOR), which the launch does not take (the TMA kernel, tma.py,
 is faster there; benchmarks/NOTES.md).
 
@@ -68,19 +72,20 @@ def gated_configs() -> list:
 
 
 @gluon.jit
-def _counts(a_desc, c_desc, sizes, TRANS_A: gl.constexpr):
-    """Output tiles along Mc and Nc, and K steps over R (the tile from the A and C boxes)."""
+def _counts(a_desc, c_desc, sizes, TRANS_A: gl.constexpr, GATED_DX: gl.constexpr):
+    """Output tiles along Mc and Nc, and K steps over R (the tile from the A and C boxes), twice over with
+    GATED_DX (the gate's product, then the up's)."""
     Mc, Nc, R = sizes
     return (gl.cdiv(Mc, 2 * c_desc.block_type.shape[0]), gl.cdiv(Nc, c_desc.block_type.shape[1]),
-            gl.cdiv(R, a_desc.block_type.shape[0 if TRANS_A else 1]))
+            gl.cdiv(R, a_desc.block_type.shape[0 if TRANS_A else 1]) * (2 if GATED_DX else 1))
 
 
 @gluon.jit
 def _producer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr,
               HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
+              GATED_DX: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
     """One warp: every K step of every output tile of this CTA, in order, through the ring."""
-    a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
+    a_desc, s_desc, su_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
     a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs = bufs
     ready, empty = bars
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0 if TRANS_A else 1]
@@ -88,11 +93,16 @@ def _producer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     step_bytes: gl.constexpr = ((4 if HAS_SLOPE else 2) * a_desc.block_type.nbytes
                                 + (2 if GATED else 1) * b_desc.block_type.nbytes)
-    num_pid_m, num_pid_n, k_steps = _counts(a_desc, c_desc, sizes, TRANS_A)
+    num_pid_m, num_pid_n, k_steps = _counts(a_desc, c_desc, sizes, TRANS_A, GATED_DX)
+    k_half = k_steps // 2  # GATED_DX: the steps of the gate's product; the up's follow
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        for kk in range(k_steps):
+        for k_step in range(k_steps):
+            kk = k_step
+            if GATED_DX:
+                if k_step >= k_half:
+                    kk = k_step - k_half
             slot = step % STAGES
             # Empty barriers start out complete for phase 1: nothing to wait for on the first lap.
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
@@ -104,13 +114,26 @@ def _producer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
                 else:
                     coord = [row, kk * BLOCK_K]
                 tma.async_copy_global_to_shared(a_desc, coord, ready.index(slot), a_bufs.index(2 * slot + half))
-                if HAS_SLOPE:
+                if GATED_DX:
+                    if k_step >= k_half:
+                        tma.async_copy_global_to_shared(su_desc, coord, ready.index(slot),
+                                                        s_bufs.index(2 * slot + half))
+                    else:
+                        tma.async_copy_global_to_shared(s_desc, coord, ready.index(slot),
+                                                        s_bufs.index(2 * slot + half))
+                elif HAS_SLOPE:
                     tma.async_copy_global_to_shared(s_desc, coord, ready.index(slot), s_bufs.index(2 * slot + half))
             if B_KMAJOR:  # B^T stored [Nc, R] (nn.Linear's weight for the forward)
                 b_coord = [pid_n * BLOCK_N, kk * BLOCK_K]
             else:
                 b_coord = [kk * BLOCK_K, pid_n * BLOCK_N]
-            tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(slot), b_bufs.index(slot))
+            if GATED_DX:  # the up projection's weight in the second half, into the same ring slots
+                if k_step >= k_half:
+                    tma.async_copy_global_to_shared(bu_desc, b_coord, ready.index(slot), b_bufs.index(slot))
+                else:
+                    tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(slot), b_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(slot), b_bufs.index(slot))
             if GATED:  # the up projection's weight tile beside the gate's
                 tma.async_copy_global_to_shared(bu_desc, b_coord, ready.index(slot), bu_bufs.index(slot))
             step += 1
@@ -119,9 +142,9 @@ def _producer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
 @gluon.jit
 def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr,
               HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
+              GATED_DX: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WHICH: gl.constexpr):
     """Consumer WHICH: rows [WHICH * 64, WHICH * 64 + 64) of every output tile of this CTA."""
-    a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
+    a_desc, s_desc, su_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr = descs
     a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs = bufs
     ready, empty = bars
     Mc, Nc, R = sizes
@@ -132,7 +155,7 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
     a_layout: gl.constexpr = register_operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, a_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    num_pid_m, num_pid_n, k_steps = _counts(a_desc, c_desc, sizes, TRANS_A)
+    num_pid_m, num_pid_n, k_steps = _counts(a_desc, c_desc, sizes, TRANS_A, GATED_DX)
     c_buf = c_bufs.index(WHICH)
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
@@ -211,16 +234,17 @@ def _consumer(descs, bufs, bars, sizes, TRANS_A: gl.constexpr, HAS_SLOPE: gl.con
 
 
 @gluon.jit
-def gemm_coop_ws_kernel(a_ptr, s_ptr, b_ptr, bu_ptr, c_ptr, bias_ptr, bias_up_ptr, db_ptr, Mc, Nc, R,
-                        stride_a, stride_s, stride_b, stride_bu, stride_c,
+def gemm_coop_ws_kernel(a_ptr, s_ptr, su_ptr, b_ptr, bu_ptr, c_ptr, bias_ptr, bias_up_ptr, db_ptr, Mc, Nc, R,
+                        stride_a, stride_s, stride_su, stride_b, stride_bu, stride_c,
                         TRANS_A: gl.constexpr, HAS_SLOPE: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr,
+                        ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_DB: gl.constexpr, GATED_DX: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                         NUM_SMS: gl.constexpr):
     """C[Mc, Nc] = act(op(A) @ B + bias): op(A) = A, A^T (TRANS_A), or either times a slope S (HAS_SLOPE);
     B [R, Nc], or B^T stored [Nc, R] (B_KMAJOR); db = row sums of op(A) (HAS_DB). GATED (without a slope):
-    C = glu(op(A) @ B + bias, op(A) @ B_up + bias_up), the gated activation of the two products. Every operand
-    has a unit inner stride; ``stride_*`` are the row strides."""
+    C = glu(op(A) @ B + bias, op(A) @ B_up + bias_up), the gated activation of the two products. GATED_DX (with
+    a slope, A and B row-major): C = (A * S) @ B + (A * S_up) @ B_up. Every operand has a unit inner stride;
+    ``stride_*`` are the row strides."""
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     # The TMA descriptors are made here, once per CTA of the persistent grid: made on the host they cost an
     # encode per descriptor per call, and the launch layer's fast path cannot replay a call holding them.
@@ -232,6 +256,10 @@ def gemm_coop_ws_kernel(a_ptr, s_ptr, b_ptr, bu_ptr, c_ptr, bias_ptr, bias_up_pt
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], dtype)
         a_desc = tma.make_tensor_descriptor(a_ptr, [Mc, R], [stride_a, 1], [HALF_M, BLOCK_K], a_layout)
         s_desc = tma.make_tensor_descriptor(s_ptr, [Mc, R], [stride_s, 1], [HALF_M, BLOCK_K], a_layout)
+    if GATED_DX:  # the up branch's slope, in A's boxes
+        su_desc = tma.make_tensor_descriptor(su_ptr, [Mc, R], [stride_su, 1], [HALF_M, BLOCK_K], a_layout)
+    else:
+        su_desc = s_desc
     if B_KMAJOR:  # B^T stored [Nc, R] (nn.Linear's weight for the forward)
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
         b_desc = tma.make_tensor_descriptor(b_ptr, [Nc, R], [stride_b, 1], [BLOCK_N, BLOCK_K], b_layout)
@@ -259,18 +287,18 @@ def gemm_coop_ws_kernel(a_ptr, s_ptr, b_ptr, bu_ptr, c_ptr, bias_ptr, bias_up_pt
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release each K step
-    descs = (a_desc, s_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr)
+    descs = (a_desc, s_desc, su_desc, b_desc, bu_desc, c_desc, bias_ptr, bias_up_ptr, db_ptr)
     bufs = (a_bufs, s_bufs, b_bufs, bu_bufs, c_bufs)
     bars = (ready, empty)
     sizes = (Mc, Nc, R)
     # Constexprs go as separate arguments (inside a tuple they would become runtime values).
     gl.warp_specialize([
         (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB,
-                     GROUP_M, NUM_SMS, 0)),
+                     GATED_DX, GROUP_M, NUM_SMS, 0)),
         (_consumer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB,
-                     GROUP_M, NUM_SMS, 1)),
+                     GATED_DX, GROUP_M, NUM_SMS, 1)),
         (_producer, (descs, bufs, bars, sizes, TRANS_A, HAS_SLOPE, B_KMAJOR, HAS_BIAS, ACTIVATION, GATED, HAS_DB,
-                     GROUP_M, NUM_SMS, 0)),
+                     GATED_DX, GROUP_M, NUM_SMS, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -280,29 +308,33 @@ def output_tiles(rows: int, cols: int, config: str) -> int:
     return cdiv(rows, 2 * HALF_ROWS) * cdiv(cols, CONFIGS[config]["BLOCK_N"])
 
 
-def constexprs(trans_a, slope, b_kmajor, bias, activation, db, cfg, gated=False) -> dict:
+def constexprs(trans_a, slope, b_kmajor, bias, activation, db, cfg, gated=False, gated_dx=False) -> dict:
     """The kernel's constexprs for one form at ``cfg`` (a CONFIGS entry), but NUM_SMS (the launch's)."""
     return dict(TRANS_A=trans_a, HAS_SLOPE=slope, B_KMAJOR=b_kmajor, HAS_BIAS=bias, ACTIVATION=activation or "none",
-                GATED=gated, HAS_DB=db, BLOCK_N=cfg["BLOCK_N"],
+                GATED=gated, HAS_DB=db, GATED_DX=gated_dx, BLOCK_N=cfg["BLOCK_N"],
                 BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"])
 
 
 def launch(a, s, b, c, *, trans_a=False, b_kmajor=False, bias=None, activation=None, db=None, b_up=None,
-           bias_up=None, config=DEFAULT) -> None:
+           bias_up=None, s_up=None, config=DEFAULT) -> None:
     """C = act(op(A) @ B + bias) into ``c`` for 16-bit TMA-able operands of one dtype (checked by the caller);
     ``s`` None or the slope (A's shape), ``db`` None or the [Mc] row sums of op(A) to store (with a slope),
-    ``b_up`` (with ``bias_up``) the up projection of a gated activation (``activation`` its GLU). One CTA per
-    SM at most; its descriptors are made in the kernel, so the launch layer's fast path can replay the call."""
+    ``b_up`` (with ``bias_up``) the up projection of a gated activation (``activation`` its GLU), or with ``s_up``
+    (and ``s``, A and B row-major) the gated dx's second product, C += (A * s_up) @ b_up. One CTA per SM at
+    most; its descriptors are made in the kernel, so the launch layer's fast path can replay the call."""
     cfg = CONFIGS[config]
     Mc, Nc = c.shape
     R = a.shape[0] if trans_a else a.shape[1]
     s_ = s if s is not None else a
+    su = s_up if s_up is not None else s_
     bu = b_up if b_up is not None else b
     fastpath.launch_persistent(gemm_coop_ws_kernel, output_tiles(Mc, Nc, config), (
-        a, s_, b, bu, c, bias if bias is not None else c, bias_up if bias_up is not None else c,
-        db if db is not None else c, Mc, Nc, R, a.stride(0), s_.stride(0), b.stride(0), bu.stride(0), c.stride(0)),
+        a, s_, su, b, bu, c, bias if bias is not None else c, bias_up if bias_up is not None else c,
+        db if db is not None else c, Mc, Nc, R, a.stride(0), s_.stride(0), su.stride(0), b.stride(0), bu.stride(0),
+        c.stride(0)),
         dict(constexprs(trans_a, s is not None, b_kmajor, bias is not None, activation, db is not None, cfg,
-                        gated=b_up is not None), num_warps=4, maxnreg=LAUNCH_MAXNREG), c.device)
+                        gated=b_up is not None and s_up is None, gated_dx=s_up is not None),
+             num_warps=4, maxnreg=LAUNCH_MAXNREG), c.device)
 
 
 # Direct entries (benchmarks/gemm_coop_ws.py, the GPU tests): each allocates its output and launches one config.
@@ -325,6 +357,13 @@ def grad_input(dy, s, w, config: str = DEFAULT):
     """dx = (dy * s) @ w: dy, s [M, N], w [N, K]."""
     dx = torch.empty(dy.shape[0], w.shape[1], dtype=dy.dtype, device=dy.device)
     launch(dy, s, w, dx, config=config)
+    return dx
+
+
+def grad_input_gated(dy, s_gate, w_gate, s_up, w_up, config: str = DEFAULT):
+    """The gated dx = (dy * s_gate) @ w_gate + (dy * s_up) @ w_up: dy and both slopes [M, N], weights [N, K]."""
+    dx = torch.empty(dy.shape[0], w_gate.shape[1], dtype=dy.dtype, device=dy.device)
+    launch(dy, s_gate, w_gate, dx, b_up=w_up, s_up=s_up, config=config)
     return dx
 
 

@@ -181,6 +181,10 @@ def hopper_tma(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
 # switching, fastpath.clear_all(): captured plans keep their kernels).
 COOP_BACKWARD = True
 COOP_GATED = True
+# The gated dx, (dy * s_gate) @ W_gate + (dy * s_up) @ W_up, as one cooperative launch (coop.py's GATED_DX) under
+# the plain dx's rule. Off until it has run on the GPU (benchmarks/NOTES.md: the test to run first): the tuned
+# pointer kernel keeps it.
+COOP_GATED_DX = False
 COOP_BACKWARD_CONFIG = "128x256x32_s4"
 COOP_GATED_CONFIG = "128x128x64_s4"  # the gated form's two accumulators per consumer fit at BLOCK_N 128 only
 # The backward's cooperative GEMM has one CTA per SM walking whole output tiles, each over the whole reduction
@@ -214,6 +218,13 @@ def coop_backward(c: torch.Tensor, a: torch.Tensor, s, b: torch.Tensor, path: st
     tiles = coop.output_tiles(c.shape[0], c.shape[1], COOP_BACKWARD_CONFIG)
     return (tiles >= COOP_MIN_TILES_PER_SM[gemm] * runtime.device_facts(c.device)[1]
             and b.shape[0] >= COOP_MIN_REDUCTION)
+
+
+def coop_gated_dx(dx2d, dy2d, s_gate, s_up, w_gate, w_up, path: str) -> bool:
+    """Whether the gated dx runs the cooperative kernel's GATED_DX form: COOP_GATED_DX, the plain dx's rule
+    (``coop_backward``) for the gate's product, and the up branch's slope and weight TMA-able alike."""
+    return (COOP_GATED_DX and coop_backward(dx2d, dy2d, s_gate, w_gate, path, "dx")
+            and coop_operands(path, dx2d, s_up, w_up) and w_up.shape == w_gate.shape)
 
 
 def coop_gated(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, y2d: torch.Tensor, save_slope: bool,
@@ -573,14 +584,19 @@ def _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_d
         return dy.new_empty((0,))
     flags = dict(HAS_SLOPE=slope is not None, INPUT_PRECISION=precision,
                  UPCAST_DOT=interpret and x.dtype == torch.bfloat16)
-    # The cooperative kernel's slope for dx: plain only (gated dx sums two products, g_gate @ W_gate + g_up @ W_up,
-    # which the kernel does not); each gated branch's dW is one product, g_branch^T x, and takes it as plain dW does.
+    # The cooperative kernel's slope for dx: plain dx takes the kernel's plain form; gated dx sums two products,
+    # g_gate @ W_gate + g_up @ W_up, which its GATED_DX form walks as one reduction (``coop_gated_dx``). Each gated
+    # branch's dW is one product, g_branch^T x, and takes the kernel as plain dW does.
     s_coop = s2d if slope is not None and not gated else None
     dx = none()
     if need_dx:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dx2d = dx.view(M, K)
-        if coop_backward(dx2d, dy2d, s_coop, w, path, "dx"):
+        if gated and coop_gated_dx(dx2d, dy2d, s2d, su2d, w, w_up, path):
+            coop.launch(dy2d, s2d, w, dx2d, b_up=w_up, s_up=su2d, config=COOP_BACKWARD_CONFIG)
+            launches.record("linear_backward", path, "grad input gated (cooperative warp-specialized), g = dy * "
+                            "slope for each branch in its loads", COOP_BACKWARD_CONFIG)
+        elif coop_backward(dx2d, dy2d, s_coop, w, path, "dx"):
             coop.launch(dy2d, s2d, w, dx2d, config=COOP_BACKWARD_CONFIG)
             launches.record("linear_backward", path, "grad input (cooperative warp-specialized), g = dy * slope "
                             "in its loads", COOP_BACKWARD_CONFIG)
