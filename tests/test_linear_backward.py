@@ -418,12 +418,9 @@ def test_linear_training_runs_the_cooperative_backward(M, K, N):
         assert_close(got.grad, exp.grad, REL_L2_BOUND[dtype], f"coop {M}x{K}x{N} {name}")
 
 
-@pytest.mark.gpu_only
-@pytest.mark.parametrize("M,K,N", [(2100, 2056, 4360)])
-def test_gated_training_runs_the_cooperative_dw_for_each_branch(M, K, N):
-    """tilefuse.linear with SwiGLU (one [2N, K] weight, bias) in training at a size where each branch's dW (g_branch^T
-    x with its own slope, + db) takes the cooperative kernel and dx (two products summed) the tuned pointer kernel,
-    tails on every tile dim: the records say so, and the x, W and b gradients match float64."""
+def _gated_training_step_against_float64(M, K, N, label):
+    """SwiGLU through tilefuse.linear (x [2, M / 2, K], one [2N, K] weight, bias) forward and backward in bf16 on
+    the GPU, its output and the x, W and b gradients checked against float64; returns the backward's records."""
     from tilefuse.kernels import fastpath, launches
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -436,16 +433,26 @@ def test_gated_training_runs_the_cooperative_dw_for_each_branch(M, K, N):
     with launches.recording() as records:
         y = tilefuse.linear(*leaves, "swiglu")
         y.backward(dy)
-    assert [r.kernel for r in records if r.op == "linear_backward"] == [
-        "grad input, g = dy * slope in its loads"] + [
-        "grad weight (cooperative warp-specialized) + bias, g = dy * slope in its loads"] * 2
+    fastpath.clear_all()
     ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
     want = reference.gated_linear(ref[0], ref[1][:N], ref[1][N:], ref[2][:N], ref[2][N:], "swiglu")  # cat([gate, up])
     want.backward(dy.double())
     assert_close(y, want, BOUND, "y")
     for got, exp, name in zip(leaves, ref, ("dx", "dW", "db")):
         assert got.grad.shape == exp.grad.shape, name
-        assert_close(got.grad, exp.grad, REL_L2_BOUND[dtype], f"gated coop {M}x{K}x{N} {name}")
+        assert_close(got.grad, exp.grad, REL_L2_BOUND[dtype], f"{label} {M}x{K}x{N} {name}")
+    return [r.kernel for r in records if r.op == "linear_backward"]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("M,K,N", [(2100, 2056, 4360)])
+def test_gated_training_runs_the_cooperative_dw_for_each_branch(M, K, N):
+    """tilefuse.linear with SwiGLU (one [2N, K] weight, bias) in training at a size where each branch's dW (g_branch^T
+    x with its own slope, + db) takes the cooperative kernel and dx (two products summed) the tuned pointer kernel,
+    tails on every tile dim: the records say so, and the x, W and b gradients match float64."""
+    assert _gated_training_step_against_float64(M, K, N, "gated coop") == [
+        "grad input, g = dy * slope in its loads"] + [
+        "grad weight (cooperative warp-specialized) + bias, g = dy * slope in its loads"] * 2
 
 
 @pytest.mark.gpu_only
@@ -453,24 +460,9 @@ def test_gated_training_runs_the_cooperative_dw_for_each_branch(M, K, N):
 def test_gated_dx_on_the_cooperative_kernel_matches_float64(M, K, N, monkeypatch):
     """The cooperative kernel's GATED_DX form (launch.COOP_GATED_DX switched on): SwiGLU's dx as one launch over
     both branches, tails on every tile dim, against float64; the gate and up branches' dW as before."""
-    from tilefuse.kernels import fastpath, launches
     from tilefuse.kernels.gemm import launch
 
     monkeypatch.setattr(launch, "COOP_GATED_DX", True)
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    fastpath.clear_all()
-    x = _r(2, M // 2, K, device=dev, dtype=dtype)
-    w = _r(2 * N, K, seed=1, scale=K ** -0.5, device=dev, dtype=dtype)
-    b = _r(2 * N, seed=2, device=dev, dtype=dtype)
-    dy = _r(2, M // 2, N, seed=3, device=dev, dtype=dtype)
-    leaves = _leaves(x, w, b)
-    with launches.recording() as records:
-        y = tilefuse.linear(*leaves, "swiglu")
-        y.backward(dy)
-    assert [r.kernel for r in records if r.op == "linear_backward"][0].startswith("grad input gated (cooperative")
-    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    want = reference.gated_linear(ref[0], ref[1][:N], ref[1][N:], ref[2][:N], ref[2][N:], "swiglu")
-    want.backward(dy.double())
-    for got, exp, name in zip(leaves, ref, ("dx", "dW", "db")):
-        assert_close(got.grad, exp.grad, REL_L2_BOUND[dtype], f"gated dx coop {M}x{K}x{N} {name}")
-    fastpath.clear_all()
+    assert _gated_training_step_against_float64(M, K, N, "gated dx coop") == [
+        "grad input gated (cooperative warp-specialized), g = dy * slope for each branch in its loads"] + [
+        "grad weight (cooperative warp-specialized) + bias, g = dy * slope in its loads"] * 2
