@@ -38,8 +38,8 @@ def _is_descriptor(value) -> bool:
     return hasattr(value, "base") and hasattr(value, "strides")  # Gluon's TensorDescriptor, or a replay's
 
 
-def _descriptors(values) -> tuple:
-    return tuple((v.base.data_ptr(), tuple(v.shape), tuple(v.strides)) for v in values if _is_descriptor(v))
+def _descriptor_facts(v) -> tuple:
+    return v.base.data_ptr(), tuple(v.shape), tuple(v.strides)
 
 
 class StandInDriver:
@@ -72,11 +72,12 @@ class StubCompiledKernel:
     function = None
     packed_metadata = None
 
-    def __init__(self, name, arg_names, kwargs, grid_rank, launches, tensor_positions):
+    def __init__(self, name, arg_names, kwargs, grid_rank, launches, tensor_positions, descriptor_positions):
         self.name, self.arg_names, self.grid_rank, self.launches = name, list(arg_names), grid_rank, launches
         self.kwarg_names = [k for k in kwargs if k in self.arg_names]
         self.options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
         self.tensor_positions = tensor_positions
+        self.descriptor_positions = descriptor_positions  # where the compiling call passed host descriptors
 
     def launch_metadata(self, grid, stream, *args):
         return None
@@ -89,7 +90,7 @@ class StubCompiledKernel:
         pointers = tuple(int(args[i]) for i in self.tensor_positions)
         self.launches.append(Launch(self.name, (grid_0, grid_1, grid_2)[:self.grid_rank],
                                     {**kwargs, **self.options}, replay=True, pointers=pointers,
-                                    descriptors=_descriptors(args)))
+                                    descriptors=tuple(_descriptor_facts(args[i]) for i in self.descriptor_positions)))
 
 
 def _launcher_classes():
@@ -112,10 +113,12 @@ def stubbed_launches(sms: int = 132, major: int = 9):
         meta = {**dict(zip(self.arg_names, args)), **kwargs}
         g = tuple(grid(meta) if callable(grid) else grid)
         ordered = [meta.get(name) for name in self.arg_names]
+        descriptor_positions = [i for i, v in enumerate(ordered) if _is_descriptor(v)]
         launches.append(Launch(self.fn.__name__, g, kwargs, pointers=_pointers(ordered),
-                               descriptors=_descriptors(ordered)))
+                               descriptors=tuple(_descriptor_facts(ordered[i]) for i in descriptor_positions)))
         positions = [i for i, v in enumerate(ordered) if isinstance(v, torch.Tensor)]
-        return StubCompiledKernel(self.fn.__name__, self.arg_names, kwargs, len(g), launches, positions)
+        return StubCompiledKernel(self.fn.__name__, self.arg_names, kwargs, len(g), launches, positions,
+                                  descriptor_positions)
 
     saved = [(cls, cls.run) for cls in _launcher_classes()]
     saved_path, saved_facts = runtime.execution_path, runtime.device_facts
