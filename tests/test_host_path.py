@@ -538,8 +538,9 @@ class _Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and not any(isinstance(a, torch.Tensor) for a in args) \
-                or func.__name__.startswith(("empty_like", "zeros_like", "new_empty", "new_zeros")):
+        factory = not any(isinstance(a, torch.Tensor) for a in args)  # empty, zeros, full, ... from sizes
+        if isinstance(out, torch.Tensor) and (factory or func.__name__.startswith(
+                ("empty_like", "zeros_like", "new_empty", "new_zeros"))):
             self.numels.append(out.numel())
         return out
 

@@ -179,12 +179,11 @@ def test_a_model_patched_in_eval_mode_trains_like_the_unpatched_one(device, chec
 
 
 @pytest.mark.gpu_only
-def test_a_patched_model_trains_100_steps_like_the_unpatched_one_within_the_noise_floor():
+def test_a_patched_model_trains_100_steps_like_the_unpatched_one():
     """100 AdamW steps (bf16, one batch) of the tiny Llama, patched in eval mode: at every 20th step the patched
-    loss is within 1% of the unpatched model's, or within twice the largest distance between two unpatched runs
-    that differ only in SDPA's backend (the math one against the default). bf16 training amplifies any change of
-    summation order step by step, and that distance is the setting's own noise (as ``tilefuse bench train``
-    reports it)."""
+    loss is within the dtype's bound (1% in bf16) of the unpatched model's. A failure message also gives the
+    largest distance between two unpatched runs that differ only in SDPA's backend (the math one against the
+    default), the setting's own noise, to tell a tilefuse error from bf16 training's drift."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
@@ -202,7 +201,7 @@ def test_a_patched_model_trains_100_steps_like_the_unpatched_one_within_the_nois
     ref_l = losses["ref"]
     noise = max(abs(losses["other"][i] - ref_l[i]) / abs(ref_l[i]) for i in steps)
     for i in steps:
-        assert abs(losses["patched"][i] - ref_l[i]) <= max(0.01, 2 * noise) * abs(ref_l[i]), (i, noise, losses)
+        assert abs(losses["patched"][i] - ref_l[i]) <= REL_L2_BOUND[DTYPE] * abs(ref_l[i]), (i, noise, losses)
     assert losses["patched"][-1] < 0.9 * losses["patched"][0]  # it did train
 
 

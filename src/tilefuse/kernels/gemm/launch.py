@@ -224,7 +224,7 @@ def coop_gated_dx(dx2d, dy2d, s_gate, s_up, w_gate, w_up, path: str) -> bool:
     """Whether the gated dx runs the cooperative kernel's GATED_DX form: COOP_GATED_DX, the plain dx's rule
     (``coop_backward``) for the gate's product, and the up branch's slope and weight TMA-able alike."""
     return (COOP_GATED_DX and coop_backward(dx2d, dy2d, s_gate, w_gate, path, "dx")
-            and coop_operands(path, dx2d, s_up, w_up) and w_up.shape == w_gate.shape)
+            and coop_operands(path, dx2d, s_up, w_up))
 
 
 def coop_gated(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, y2d: torch.Tensor, save_slope: bool,
