@@ -205,10 +205,11 @@ def test_training_backward_keeps_todays_kernels_elsewhere(pinned_tuners, monkeyp
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
-def test_gated_training_backward_takes_the_cooperative_kernel_for_each_dw(pinned_tuners):
-    """SwiGLU at (2100, 2056, 4360): dx sums two products (g_gate @ W_gate + g_up @ W_up) and keeps the tuned
-    pointer kernel; each branch's dW (+ db) is one product g_branch^T x, with its own slope, and takes the
-    cooperative kernel as the plain dW does."""
+def test_gated_training_backward_takes_the_cooperative_kernel_for_each_dw(pinned_tuners, monkeypatch):
+    """SwiGLU at (2100, 2056, 4360) with COOP_GATED_DX switched off: dx sums two products (g_gate @ W_gate +
+    g_up @ W_up) on the tuned pointer kernel; each branch's dW (+ db) is one product g_branch^T x, with its own
+    slope, and takes the cooperative kernel as the plain dW does."""
+    monkeypatch.setattr(launch, "COOP_GATED_DX", False)
     _, bwd, kinds = _train_step(2100, 2056, 4360, "swiglu")
     assert [r.kernel for r in bwd] == ["grad_input_kernel", "gemm_coop_ws_kernel", "gemm_coop_ws_kernel"]
     assert all(r.kwargs["TRANS_A"] and r.kwargs["HAS_DB"] and r.kwargs["HAS_SLOPE"] for r in bwd[1:])
@@ -219,11 +220,12 @@ def test_gated_training_backward_takes_the_cooperative_kernel_for_each_dw(pinned
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
-def test_gated_dx_takes_the_cooperative_gated_form_when_switched_on(pinned_tuners, monkeypatch):
-    """With COOP_GATED_DX the gated dx at (2100, 2056, 4360) is one cooperative launch of the GATED_DX form: dy with
-    both slopes (s_gate, s_up: the two halves the forward saved) and both weights (the [2N, K] weight's two halves,
-    row-major as dx reads them) into one dx, on the plain dx's config and grid; the dW launches are unchanged."""
-    monkeypatch.setattr(launch, "COOP_GATED_DX", True)
+def test_gated_dx_takes_the_cooperative_gated_form(pinned_tuners):
+    """The gated dx at (2100, 2056, 4360) is one cooperative launch of the GATED_DX form (COOP_GATED_DX, on): dy
+    with both slopes (s_gate, s_up: the two halves the forward saved) and both weights (the [2N, K] weight's two
+    halves, row-major as dx reads them) into one dx, on the plain dx's config and grid; the dW launches are
+    unchanged."""
+    assert launch.COOP_GATED_DX
     _, bwd, kinds = _train_step(2100, 2056, 4360, "swiglu")
     assert [r.kernel for r in bwd] == ["gemm_coop_ws_kernel"] * 3
     dx = bwd[0]

@@ -27,8 +27,8 @@ kernels launched through :func:`launch`, and a temporary a launch reads is retur
 A Gluon host TMA descriptor argument (``TensorDescriptor``) follows the same rule through its base
 tensor: the plan keeps its view (shape, strides, padding: fixed by the key), and a replay hands
 Triton's launcher a descriptor of the same view at the new call's address, which the launcher encodes
-as it encodes the full path's. Behind ``REPLAY_HOST_DESCRIPTORS``: off until it has run on a GPU, so
-that until then a launch with a host descriptor keeps its key on the full path.
+as it encodes the full path's. ``REPLAY_HOST_DESCRIPTORS = False`` keeps a launch with a host descriptor
+on the full path.
 
 Interpreter and reference calls never replay (:func:`signature` is None off the compiled path).
 """
@@ -57,9 +57,9 @@ _NO_PLAN = object()
 _FAMILIES: list["Plans"] = []  # every op family's plans, for clear_all
 MAX_PLANS = 4096  # distinct keys kept per op family; beyond that new keys simply take the full path
 # Plans may hold launches with Gluon host TMA descriptors (the attention passes), rebuilt at each replay's
-# addresses. Off: checked on a CPU against the full path's descriptors (tests/test_host_path.py), not yet run on
-# the GPU, where a wrong descriptor would read the wrong memory; benchmarks/NOTES.md has the test to run first.
-REPLAY_HOST_DESCRIPTORS = False
+# addresses; checked against the full path's descriptors on a CPU (tests/test_host_path.py) and bit for bit on the
+# GPU (tests/test_attention_backward.py). False keeps such launches on the full path.
+REPLAY_HOST_DESCRIPTORS = True
 
 
 def persistent(t: torch.Tensor) -> torch.Tensor:

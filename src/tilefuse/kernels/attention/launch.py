@@ -359,9 +359,8 @@ BACKWARD_WS = True
 BACKWARD_WS_WIDE = True
 BACKWARD_WS_STAGES = 2
 # The backward through the fast path's plans (D among the plan's outputs, so the launches replay; the Gluon passes
-# also need fastpath.REPLAY_HOST_DESCRIPTORS). Off until the GPU tests have run with it (benchmarks/NOTES.md):
-# every call then takes the full path, as before D was returned.
-BACKWARD_REPLAY = False
+# also need fastpath.REPLAY_HOST_DESCRIPTORS). False: every call takes the full path.
+BACKWARD_REPLAY = True
 
 
 def ws_backward_usable(q, k, v, mask, window_left, softcap, alibi, varlen) -> bool:

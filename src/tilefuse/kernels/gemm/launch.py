@@ -182,9 +182,9 @@ def hopper_tma(x2d: torch.Tensor, *others: torch.Tensor) -> bool:
 COOP_BACKWARD = True
 COOP_GATED = True
 # The gated dx, (dy * s_gate) @ W_gate + (dy * s_up) @ W_up, as one cooperative launch (coop.py's GATED_DX) under
-# the plain dx's rule. Off until it has run on the GPU (benchmarks/NOTES.md: the test to run first): the tuned
-# pointer kernel keeps it.
-COOP_GATED_DX = False
+# the plain dx's rule: 1.19-1.23x the tuned pointer kernel on the H200 (benchmarks/NOTES.md). False leaves it to
+# that kernel.
+COOP_GATED_DX = True
 COOP_BACKWARD_CONFIG = "128x256x32_s4"
 COOP_GATED_CONFIG = "128x128x64_s4"  # the gated form's two accumulators per consumer fit at BLOCK_N 128 only
 # The backward's cooperative GEMM has one CTA per SM walking whole output tiles, each over the whole reduction
