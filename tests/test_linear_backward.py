@@ -448,21 +448,21 @@ def _gated_training_step_against_float64(M, K, N, label):
 @pytest.mark.parametrize("M,K,N", [(2100, 2056, 4360)])
 def test_gated_training_runs_the_cooperative_dw_for_each_branch(M, K, N):
     """tilefuse.linear with SwiGLU (one [2N, K] weight, bias) in training at a size where each branch's dW (g_branch^T
-    x with its own slope, + db) takes the cooperative kernel and dx (two products summed) the tuned pointer kernel,
-    tails on every tile dim: the records say so, and the x, W and b gradients match float64."""
+    x with its own slope, + db) and dx (two products summed, the GATED_DX form) take the cooperative kernel, tails
+    on every tile dim: the records say so, and the x, W and b gradients match float64."""
     assert _gated_training_step_against_float64(M, K, N, "gated coop") == [
-        "grad input, g = dy * slope in its loads"] + [
+        "grad input gated (cooperative warp-specialized), g = dy * slope for each branch in its loads"] + [
         "grad weight (cooperative warp-specialized) + bias, g = dy * slope in its loads"] * 2
 
 
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("M,K,N", [(2100, 2056, 4360)])
-def test_gated_dx_on_the_cooperative_kernel_matches_float64(M, K, N, monkeypatch):
-    """The cooperative kernel's GATED_DX form (launch.COOP_GATED_DX switched on): SwiGLU's dx as one launch over
-    both branches, tails on every tile dim, against float64; the gate and up branches' dW as before."""
+def test_gated_dx_on_the_pointer_kernel_matches_float64(M, K, N, monkeypatch):
+    """With launch.COOP_GATED_DX switched off, SwiGLU's dx (two products summed) runs the tuned pointer kernel,
+    tails on every tile dim, against float64; the gate and up branches' dW as before."""
     from tilefuse.kernels.gemm import launch
 
-    monkeypatch.setattr(launch, "COOP_GATED_DX", True)
-    assert _gated_training_step_against_float64(M, K, N, "gated dx coop") == [
-        "grad input gated (cooperative warp-specialized), g = dy * slope for each branch in its loads"] + [
+    monkeypatch.setattr(launch, "COOP_GATED_DX", False)
+    assert _gated_training_step_against_float64(M, K, N, "gated dx pointer") == [
+        "grad input, g = dy * slope in its loads"] + [
         "grad weight (cooperative warp-specialized) + bias, g = dy * slope in its loads"] * 2
