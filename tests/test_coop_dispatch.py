@@ -205,7 +205,7 @@ def test_training_backward_keeps_todays_kernels_elsewhere(pinned_tuners, monkeyp
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
-def test_gated_training_backward_takes_the_cooperative_kernel_for_each_dw(pinned_tuners, monkeypatch):
+def test_gated_training_backward_with_the_gated_dx_switched_off_takes_the_cooperative_kernel_for_each_dw(pinned_tuners, monkeypatch):
     """SwiGLU at (2100, 2056, 4360) with COOP_GATED_DX switched off: dx sums two products (g_gate @ W_gate +
     g_up @ W_up) on the tuned pointer kernel; each branch's dW (+ db) is one product g_branch^T x, with its own
     slope, and takes the cooperative kernel as the plain dW does."""

@@ -446,7 +446,7 @@ def _gated_training_step_against_float64(M, K, N, label):
 
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("M,K,N", [(2100, 2056, 4360)])
-def test_gated_training_runs_the_cooperative_dw_for_each_branch(M, K, N):
+def test_gated_training_runs_dx_and_each_branchs_dw_on_the_cooperative_kernel(M, K, N):
     """tilefuse.linear with SwiGLU (one [2N, K] weight, bias) in training at a size where each branch's dW (g_branch^T
     x with its own slope, + db) and dx (two products summed, the GATED_DX form) take the cooperative kernel, tails
     on every tile dim: the records say so, and the x, W and b gradients match float64."""
