@@ -157,10 +157,11 @@ class LinearCrossEntropy(torch.nn.Module):
     """The LM head and its loss in one: ``cross_entropy(linear(x), target)`` by
     :func:`tilefuse.linear_cross_entropy`, the logits never materialised. It holds the given
     ``torch.nn.Linear`` (the head) or ``torch.nn.Embedding`` (a tied embedding) under ``head``, sharing its
-    parameters; ``forward(x, target)`` returns the loss."""
+    parameters; ``forward(x, target)`` returns the loss. ``check_targets`` as the function's."""
 
     def __init__(self, linear_or_embedding: torch.nn.Linear | torch.nn.Embedding, ignore_index: int = -100,
-                 reduction: str = "mean", label_smoothing: float = 0.0, softcap: float | None = None) -> None:
+                 reduction: str = "mean", label_smoothing: float = 0.0, softcap: float | None = None,
+                 check_targets: bool = True) -> None:
         super().__init__()
         if not isinstance(linear_or_embedding, (torch.nn.Linear, torch.nn.Embedding)):
             raise TypeError("linear_or_embedding must be a torch.nn.Linear or torch.nn.Embedding, got "
@@ -168,16 +169,17 @@ class LinearCrossEntropy(torch.nn.Module):
         self.head = linear_or_embedding
         self.ignore_index, self.reduction = ignore_index, reduction
         self.label_smoothing, self.softcap = label_smoothing, softcap
+        self.check_targets = bool(check_targets)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         bias = getattr(self.head, "bias", None)
         return linear_cross_entropy(x, self.head.weight, target, bias, ignore_index=self.ignore_index,
                                     reduction=self.reduction, label_smoothing=self.label_smoothing,
-                                    softcap=self.softcap)
+                                    softcap=self.softcap, check_targets=self.check_targets)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, softcap={self.softcap}")
+                f"label_smoothing={self.label_smoothing}, softcap={self.softcap}, check_targets={self.check_targets}")
 
 
 class QKVProjection(torch.nn.Module):

@@ -18,6 +18,16 @@ from tilefuse.ops.linear import _gemm_launch
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def _no_autocast(fn):
+    """``fn`` with autocast off on every device: the reference computes in fp32 as the kernels do (under CPU
+    autocast, F.linear would otherwise run in bf16 and the loss come back bf16)."""
+    def run(*args):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args)
+    return run
+
+
+@_no_autocast
 def _reference_rows(x2d, weight, bias, target, ignore_index, smoothing, softcap):
     """(loss per row, lse) in fp32 by the plain PyTorch ops (the logits materialised)."""
     z = torch.nn.functional.linear(x2d.float(), weight.float(), None if bias is None else bias.float())
@@ -33,6 +43,7 @@ def _reference_rows(x2d, weight, bias, target, ignore_index, smoothing, softcap)
     return loss, lse
 
 
+@_no_autocast
 def _reference_backward(dloss, x2d, weight, bias, target, lse, smoothing, softcap):
     z = torch.nn.functional.linear(x2d.float(), weight.float(), None if bias is None else bias.float())
     t = None
@@ -127,6 +138,21 @@ def _backward(ctx, dloss, dlse):
 _lce_call = _dispatch.register_autograd(_lce_op, _rows_impl, _backward, _setup)
 
 
+def _check_targets(target, V, ignore_index) -> None:
+    """Every target in [0, V) or ignore_index. Eagerly a ValueError (one host synchronisation); under
+    torch.compile, where a host read would break the graph, an asynchronous assertion in the graph instead,
+    the outcome F.cross_entropy has on CUDA for such a target (on a CPU it raises at once, on CUDA the device
+    assertion fails the stream)."""
+    bad = ((target < 0) | (target >= V)) & (target != ignore_index)
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), f"linear_cross_entropy: target holds a value outside [0, {V}) that is "
+                                        f"not ignore_index ({ignore_index})")
+        return
+    if bool(bad.any()):
+        raise ValueError(f"target holds {int(bad.sum())} value(s) outside [0, {V}) that are not ignore_index "
+                         f"({ignore_index}), e.g. {int(target[bad].flatten()[0])}")
+
+
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
                          *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          softcap: float | None = None, return_lse: bool = False, check_targets: bool = True):
@@ -136,8 +162,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     head or a tied embedding, read in place); target int64 or int32 ``[...]``. Returns fp32: a scalar for
     "mean" / "sum", ``[...]`` for "none"; ``softcap`` is Gemma 2's ``softcap * tanh(z / softcap)`` on the
     logits; ``return_lse`` also returns the per-token lse (fp32, not differentiable). ``check_targets``
-    checks that every target is in [0, V) or ``ignore_index`` (one host synchronisation); without it such a
-    row's loss is NaN and the kernels never use it as an address."""
+    checks that every target is in [0, V) or ``ignore_index``: a ValueError naming the first bad value (one host
+    synchronisation), or under ``torch.compile`` an asynchronous assertion in the graph (no graph break; on CUDA a
+    device-side assertion, as F.cross_entropy's); without it such a row's loss is NaN and the kernels never use
+    it as an address."""
     cast = _dispatch.autocast_dtype(x) if isinstance(x, torch.Tensor) else None
     if cast is not None:  # no torch counterpart: runs in the autocast dtype, the loss in fp32
         x, weight, bias = _dispatch.cast_floats(cast, x, weight, bias)
@@ -170,10 +198,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     softcap = check_softcap(softcap)
     if check_targets and target.numel():
-        bad = ((target < 0) | (target >= V)) & (target != ignore_index)
-        if bool(bad.any()):
-            raise ValueError(f"target holds {int(bad.sum())} value(s) outside [0, {V}) that are not ignore_index "
-                             f"({ignore_index}), e.g. {int(target[bad].flatten()[0])}")
+        _check_targets(target, V, ignore_index)
     x2d = x.reshape(-1, K)
     if K > 1 and x2d.stride(1) != 1:
         x2d = x2d.contiguous()
