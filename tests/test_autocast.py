@@ -118,3 +118,45 @@ def test_direct_torch_ops_calls_follow_the_same_rules():
     for i, (direct, public) in enumerate(pairs):
         assert direct.dtype == public.dtype, f"case {i}: {direct.dtype} vs the public function's {public.dtype}"
         assert torch.equal(direct, public), f"case {i}"
+
+
+@pytest.mark.parametrize("path", ["kernels", "reference"])
+def test_the_loss_is_fp32_on_every_path(monkeypatch, path):
+    """linear_cross_entropy under autocast: the GEMM in the autocast dtype, the loss fp32 (as documented)
+    whether the kernels or the plain-PyTorch reference (a CPU without the interpreter) answer."""
+    if path == "reference":
+        if ON_GPU:
+            pytest.skip("the reference path is a CPU's without the interpreter")
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, w = _r(33, 70), _r(45, 70, seed=1, scale=70 ** -0.5)
+    t = torch.randint(0, 45, (33,), generator=torch.Generator().manual_seed(4)).to(DEV)
+    with torch.autocast(DEV, dtype=BF16):
+        loss = tilefuse.linear_cross_entropy(x, w, t)
+        rows = tilefuse.linear_cross_entropy(x, w, t, reduction="none")
+    assert loss.dtype == torch.float32 and rows.dtype == torch.float32
+    want = F.cross_entropy(F.linear(x.to(BF16).double(), w.to(BF16).double()), t)
+    assert_close(loss, want, 1e-3, f"loss under autocast ({path})")
+
+
+def test_qkv_projection_runs_its_gemms_in_the_autocast_dtype():
+    """qkv_projection follows the GEMM rule (torch's linear under autocast): q, k, v in the autocast dtype,
+    fp32 rotary tables and QK-norm weights taken as they are; a direct torch.ops call does the same."""
+    B, N, K, H, Hkv, d = 2, 9, 48, 4, 2, 8
+    x = _r(B, N, K)
+    w = _r((H + 2 * Hkv) * d, K, seed=1, scale=K ** -0.5)
+    b = _r((H + 2 * Hkv) * d, seed=2)
+    ang = torch.arange(N, dtype=torch.float32, device=DEV)[:, None] * torch.linspace(0.1, 1, d // 2, device=DEV)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    qn, kn = _r(d, seed=3) * 0.2 + 1, _r(d, seed=5) * 0.2 + 1
+    with torch.autocast(DEV, dtype=BF16):
+        q, k, v = tilefuse.qkv_projection(x, w, b, num_heads=H, num_kv_heads=Hkv, rotary=(cos, sin),
+                                          qk_norm=(qn, kn, 1e-6))
+        plain = F.linear(x, w, b)
+    assert plain.dtype == BF16
+    assert q.dtype == k.dtype == v.dtype == BF16
+    from tilefuse.reference import qkv_projection as reference_qkv
+    xb, wb, bb = (t.to(BF16).double() for t in (x, w, b))
+    want = reference_qkv(xb, wb.split([H * d, Hkv * d, Hkv * d]), bb.split([H * d, Hkv * d, Hkv * d]), H, Hkv,
+                         (cos.double(), sin.double()), False, (qn.double(), kn.double(), 1e-6))
+    for got, ref, name in zip((q, k, v), want, "qkv"):
+        assert_close(got, ref, REL_L2_BOUND[BF16], f"{name} under autocast")

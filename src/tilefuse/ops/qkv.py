@@ -144,6 +144,7 @@ def _backward(ctx, dq, dk, dv):
 
 
 _qkv_call = _dispatch.register_autograd(_qkv_op, _impl, _backward, _setup)
+_dispatch.register_autocast(_qkv_op, (0, 1, 2, 3, 4, 5, 6))  # x, the weights and biases: as torch's linear
 
 
 def _three(name, value, sizes):
@@ -170,7 +171,8 @@ def qkv_projection(x: torch.Tensor, weight, bias=None, *, num_heads: int, num_kv
     or ``[B, N, r]`` with even r <= d, applies RoPE to q and k in HF Llama's rotate-half convention
     (``rotary_interleaved=True``: GPT-J's pairs), r < d rotating the first r dims only. ``qk_norm=(q_weight,
     k_weight, eps)`` applies a per-head RMSNorm over d to q and k before RoPE (Qwen3). Differentiable in x,
-    the weights, the biases and the QK-norm weights (not the rotary tables)."""
+    the weights, the biases and the QK-norm weights (not the rotary tables). Under ``torch.autocast`` the GEMMs
+    run in the autocast dtype (torch's linear rule) and q, k, v come out in it."""
     check_tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x must be [B, N, K], got shape {tuple(x.shape)}")
@@ -193,12 +195,17 @@ def qkv_projection(x: torch.Tensor, weight, bias=None, *, num_heads: int, num_kv
         wq, wk, wv = _three("weight", weight, (num_heads * d, num_kv_heads * d, num_kv_heads * d))
     if not 1 <= d <= 256:
         raise ValueError(f"head dim d = {d} from the weights must be in [1, 256]")
+    cast = _dispatch.autocast_dtype(x)
+    if cast is not None:  # as torch's linear under autocast: the GEMMs in the autocast dtype
+        x, wq, wk, wv = _dispatch.cast_floats(cast, x, wq, wk, wv)
     for name, w, rows in (("W_q", wq, num_heads * d), ("W_k", wk, num_kv_heads * d), ("W_v", wv, num_kv_heads * d)):
         if w.dim() != 2 or tuple(w.shape) != (rows, K):
             raise ValueError(f"{name} must be [{rows}, {K}] (heads * d, K), got {tuple(w.shape)}")
         check_same_dtype(name, w, "x", x)
         check_same_device(name, w, "x", x)
     bq, bk, bv = _three("bias", bias, (num_heads * d, num_kv_heads * d, num_kv_heads * d))
+    if cast is not None:
+        bq, bk, bv = _dispatch.cast_floats(cast, bq, bk, bv)
     for name, b, rows in (("b_q", bq, num_heads * d), ("b_k", bk, num_kv_heads * d), ("b_v", bv, num_kv_heads * d)):
         if b is not None and tuple(b.shape) != (rows,):
             raise ValueError(f"{name} must be [{rows}], got {tuple(b.shape)}")
