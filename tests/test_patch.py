@@ -136,3 +136,42 @@ def test_patching_twice_is_a_no_op_and_unpatch_restores_the_originals():
     assert all(getattr(model, name) is m for name, m in originals.items())
     assert model.mlp2[0] is mlp2_linear and isinstance(model.mlp2[1], torch.nn.GELU)
     assert not tilefuse.unpatch(model).replaced  # a no-op now
+
+
+class ResidualGELUBlock(torch.nn.Module):
+    """A Linear and an activation side by side whose forward does not feed one into the other."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.dense, self.act = torch.nn.Linear(n, n), torch.nn.GELU()
+
+    def forward(self, x):
+        return self.act(x) + self.dense(x)
+
+
+class DropoutMLP(torch.nn.Module):
+    """BERT's intermediate with a dropout after it: a fusable pair inside a module with dropout."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.dense, self.act, self.drop = torch.nn.Linear(n, 2 * n), torch.nn.GELU(), torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.act(self.dense(x)))
+
+
+def test_a_model_in_training_mode_is_probed_without_dropout_and_unproven_pairs_are_reported():
+    """Patched in training mode: the probes run with dropout off (the fusable pair is replaced, and every
+    module's mode is what it was), and a Linear + activation the probe cannot prove fusable is listed in the
+    report's skipped entries with its reason."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(DropoutMLP(H), ResidualGELUBlock(2 * H)).to(DEV, DTYPE).train()
+    model[1].eval()  # a mixed-mode model keeps each module's own mode
+    report = tilefuse.patch(model)
+    replaced = {path for path, *_ in report.replaced}
+    assert {"0.dense", "0.act"} <= replaced, str(report)
+    assert "1.dense" not in replaced
+    skipped = dict(report.skipped)
+    assert "1" in skipped and "dense" in skipped["1"] and "GELU" in skipped["1"], str(report)
+    assert str(report).startswith(f"tilefuse.patch: {len(report.replaced)} replaced, {len(report.skipped)} skipped")
+    assert model.training and model[0].training and model[0].drop.training and not model[1].training

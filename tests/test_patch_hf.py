@@ -206,11 +206,18 @@ def test_a_patched_model_trains_100_steps_like_the_unpatched_one():
 
 
 def test_dropout_in_training_runs_as_hf_runs_it(device):
-    """GPT-2's attention dropout (0.1 by default) in training mode: the call runs HF's own SDPA, so the same
-    seed gives the unpatched model's output; in eval mode tilefuse's attention runs."""
+    """GPT-2 with its default dropouts (0.1), patched in training mode: the probes run with dropout off, so
+    every pattern is replaced (the MLP's c_fc + GELU too) and nothing is skipped, and the model stays in
+    training mode. In training the attention call runs HF's own SDPA, so the same seed gives the unpatched
+    model's output; in eval mode tilefuse's attention runs."""
     ref = _model("gpt2", device, attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
-    model = copy.deepcopy(ref)
-    tilefuse.patch(model)
+    model = copy.deepcopy(ref).train()
+    report = tilefuse.patch(model)
+    assert not report.skipped, str(report)
+    replaced = {(path, new) for path, _, new, _ in report.replaced}
+    for layer in (0, 1):
+        assert (f"transformer.h.{layer}.mlp.c_fc", "Conv1DLinear") in replaced, str(report)
+    assert all(m.training for m in model.modules())
     ids, mask = _batch(device)
     outs = []
     for m in (ref, model):

@@ -15,6 +15,7 @@ whole model. ``unpatch`` restores the original modules.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -65,12 +66,27 @@ def _probe(features: int, like: torch.nn.Module) -> torch.Tensor:
     return x.to(device=p.device, dtype=p.dtype) if p is not None else x
 
 
+@contextlib.contextmanager
+def _eval_mode(*modules):
+    """The modules (and all their submodules) in eval mode for a probe, each one's own mode restored after:
+    a probe compares deterministic functions, and a model in training mode would compare two draws of its
+    dropout masks."""
+    saved = [(m, m.training) for root in modules for m in root.modules()]
+    for root in modules:
+        root.eval()
+    try:
+        yield
+    finally:
+        for m, training in saved:
+            m.training = training
+
+
 def _verify(original, candidate, features):
     """(ok, check text): the candidate against the original on a probe, within the dtype's rel-L2 bound."""
     x = _probe(features, original)
     bound = REL_L2_BOUND.get(x.dtype, 1e-2)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _eval_mode(original, candidate):
             want, got = original(x), candidate(x)
     except Exception as exc:  # noqa: BLE001 - any failure means: keep the original, and say why
         return False, f"the candidate raised {type(exc).__name__}: {exc}"
@@ -240,6 +256,7 @@ def _fuse_child_pair(parent, path, swaps, report, verify):
     act_name, act = acts[0]
     activation = _activation_name(act)
     prefix = f"{path}." if path else ""
+    misses = []  # (child, why) for each Linear the probe ran but could not prove feeds the activation
     for name, lin in children.items():
         fused = _fused_linear(lin, activation)
         if fused is None:
@@ -247,7 +264,7 @@ def _fuse_child_pair(parent, path, swaps, report, verify):
         candidate, features = fused
         x = _probe(features, lin)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _eval_mode(parent):
                 want = parent(x)
                 setattr(parent, name, candidate)
                 setattr(parent, act_name, torch.nn.Identity())
@@ -259,15 +276,22 @@ def _fuse_child_pair(parent, path, swaps, report, verify):
         except Exception:  # noqa: BLE001 - a parent whose forward takes other inputs: not this pattern
             return
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            misses.append((name, "the output's shape changed"))
             continue
         err = _rel_l2(got, want)
         bound = REL_L2_BOUND.get(x.dtype, 1e-2)
         if verify and not err <= bound:
+            misses.append((name, f"rel-L2 {err:.2e} above the bound {bound:.0e}"))
             continue
         check = f"rel-L2 {err:.1e} <= {bound:.0e} on a probe of {type(parent).__name__}, {type(act).__name__} fused"
         swaps.append((parent, name, prefix + name, lin, candidate, check))
         swaps.append((parent, act_name, prefix + act_name, act, torch.nn.Identity(), "fused into " + prefix + name))
         return
+    if misses:
+        tried = "; ".join(f"{name}: {why}" for name, why in misses)
+        report.skipped.append((path or type(parent).__name__,
+                               f"{type(act).__name__} {act_name!r} left unfused: no Linear child proved to feed it "
+                               f"on a probe ({tried})"))
 
 
 def _fuse_sequential(seq, path, swaps, report, verify):
