@@ -376,3 +376,33 @@ def test_batched_decode_past_the_grid_axis_limit(d):
     assert [r.kernel for r in recs] == ["ws" if d in ws.SUPPORTED_HEAD_DIMS else "portable"], recs
     ro, rl = ref.attention(*_f64(q, k, v), return_lse=True)
     assert_close((out, lse), (ro, rl), REL_L2_BOUND[BF16], f"decode B*Hq=131072 d={d}")
+
+
+@pytest.mark.gpu_only
+def test_flipping_allow_tf32_between_fp32_calls_changes_the_precision_of_the_next_call():
+    """fp32 attention reads torch.backends.cuda.matmul.allow_tf32 at each call, forward and backward: the host
+    fast path keys its plans on it, so a flip between two calls of the same shapes never replays the other
+    precision's kernels. With the flag off each call meets fp32's bound against float64; with it on, tf32's
+    (and its error shows that tf32 ran)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g).cuda() for _ in range(3))
+    dout = torch.randn(1, 2, 256, 64, generator=g).cuda()
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    want = ref.attend(*ref_in, None, None, 0, -1, -1)[0]
+    want.backward(dout.double())
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow in (False, True, False, True):
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            for _ in range(2):  # the second call of each setting takes the fast path's plan
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = attention(*leaves)
+                out.backward(dout)
+                errs = [float((a.double() - b).norm() / b.norm()) for a, b in
+                        [(out, want)] + [(t.grad, r.grad) for t, r in zip(leaves, ref_in)]]
+                if allow:
+                    assert max(errs) <= 1e-3 and errs[0] > 2e-5, (allow, errs)
+                else:
+                    assert max(errs) <= REL_L2_BOUND[torch.float32], (allow, errs)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

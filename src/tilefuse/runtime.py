@@ -42,6 +42,15 @@ def default_path() -> str:
     return COMPILED if torch.cuda.is_available() else (INTERPRETER if interpreter_enabled() else REFERENCE)
 
 
+def precision_for(dtype: torch.dtype, is_cuda: bool) -> str:
+    """tl.dot's input precision for operands of ``dtype``: fp32 is full precision ("ieee") unless torch allows
+    TF32 matmuls (``torch.backends.cuda.matmul.allow_tf32``) on a CUDA tensor. A launch that reads it keys its
+    fast-path plans on it, since the flag can change between two calls of the same shapes."""
+    if dtype == torch.float32:
+        return "tf32" if (is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+    return "tf32"  # ignored by tl.dot for 16-bit operands
+
+
 _DEVICE_FACTS: dict = {}
 
 
@@ -68,6 +77,10 @@ ALLOW_UNTESTED_TRITON_ENV = "TILEFUSE_ALLOW_UNTESTED_TRITON"
 
 class UnsupportedTritonError(ImportError):
     """triton is missing, or is a version tilefuse's kernels are not tested on."""
+
+
+class InterpreterNumpyError(RuntimeError):
+    """The Triton interpreter (TRITON_INTERPRET=1, the kernels' CPU path) cannot run with the installed numpy."""
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -119,14 +132,20 @@ _TRITON_CHECKED = False
 
 def check_triton() -> None:
     """Raise :class:`UnsupportedTritonError` (an ImportError) naming the installed and the supported
-    triton versions unless the installed one is supported. Call it before importing any triton kernel
-    module; after the first success it costs one global read."""
+    triton versions unless the installed one is supported, and with the interpreter on
+    (``TRITON_INTERPRET=1``), :class:`InterpreterNumpyError` when the installed numpy breaks it (the raw
+    error from inside the interpreter would name neither). Every op calls it before its first kernel launch;
+    after the first success it costs one global read."""
     global _TRITON_CHECKED
     if _TRITON_CHECKED:
         return
     problem = triton_problem()
     if problem is not None:
         raise UnsupportedTritonError(problem)
+    if interpreter_enabled():
+        problem = interpreter_numpy_problem()
+        if problem is not None:
+            raise InterpreterNumpyError(problem)
     _TRITON_CHECKED = True
 
 

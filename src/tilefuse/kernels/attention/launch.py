@@ -19,6 +19,7 @@ from tilefuse.kernels.attention.common import MAX_GRID_Y, descriptors_usable
 from tilefuse.kernels.attention.portable import attention_fwd_kernel
 from tilefuse.kernels.gluon_host import host_descriptor
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
+from tilefuse.runtime import precision_for
 from tilefuse.sizes import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -294,15 +295,16 @@ def forward(q, k, v, mask, scale: float, pos_offset: int, window_left: int, wind
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     cu = varlen[:2] if varlen is not None else (None, None)
+    precision = precision_for(q.dtype, q.is_cuda)
     return _FORWARD.run((q, k, v, mask, alibi, *cu),
                         (scale, pos_offset, window_left, window_right, return_lse, kernel, softcap,
-                         None if varlen is None else varlen[2:], out_bnhd),
+                         None if varlen is None else varlen[2:], out_bnhd, precision),
                         lambda: _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse,
-                                         path, kernel, softcap, alibi, varlen, out_bnhd))
+                                         path, kernel, softcap, alibi, varlen, out_bnhd, precision))
 
 
 def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel, softcap, alibi,
-             varlen=None, out_bnhd=False):
+             varlen, out_bnhd, precision):
     B, Hq, Nq, d = q.shape
     if varlen is not None or out_bnhd:  # [B, Nq, Hq, d] (packed: [total_q, Hq, d]), seen as [B, Hq, Nq, d]
         # the layout tilefuse.ops.attention._empty_outputs (the fake implementation) gives
@@ -310,10 +312,6 @@ def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return
     else:
         out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
-    if q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
-        precision = "ieee"
-    else:
-        precision = "tf32"  # fp32 with allow_tf32; ignored by tl.dot for 16-bit operands
     cfg = _launch(q, k, v, out, lse if return_lse else None, mask, scale=scale, pos_offset=pos_offset,
                   window_left=window_left, window_right=window_right, input_precision=precision,
                   interpret=path == runtime.INTERPRETER, kernel=kernel, softcap=softcap, alibi=alibi, varlen=varlen)
@@ -420,18 +418,20 @@ def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int,
     """(dq, dk, dv) of the attention op from dout [B, Hq, Nq, d] (any strides), the forward's q, k, v, out and
     lse (fp32 [B, Hq, Nq], contiguous), dlse (the lse output's gradient, same layout) or None, and the
     forward's mask and positions. dq/dk/dv contiguous in q's / k's / v's shapes, q's dtype."""
+    precision = precision_for(q.dtype, q.is_cuda)
     if not BACKWARD_REPLAY:
         return _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path,
-                         softcap, alibi, varlen)[:3]
+                         softcap, alibi, varlen, precision)[:3]
     cu = varlen[:2] if varlen is not None else (None, None)
     return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask, alibi, *cu),
-                         (scale, pos_offset, window_left, window_right, softcap, None if varlen is None else varlen[2:]),
+                         (scale, pos_offset, window_left, window_right, softcap, None if varlen is None else varlen[2:],
+                          precision),
                          lambda: _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
-                                           window_right, path, softcap, alibi, varlen))[:3]
+                                           window_right, path, softcap, alibi, varlen, precision))[:3]
 
 
 def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path, softcap,
-              alibi, varlen=None):
+              alibi, varlen, precision):
     """(dq, dk, dv, delta): D = rowsum(dO * O), which every pass reads, is returned beside the gradients so that
     the fast path's plan allocates it and later calls replay the launches (a temporary would send each call
     down the full path)."""
@@ -444,10 +444,6 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     block_d = max(16, next_pow2(d))
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # the inputs' layouts (packed ones included)
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    if q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
-        precision = "ieee"
-    else:
-        precision = "tf32"
     upcast = interpret and q.dtype == torch.bfloat16
     rows = 64
     fastpath.launch(attention_bwd_rowdot_kernel, (cdiv(Nq, rows), B * Hq), (

@@ -40,6 +40,7 @@ from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
 from tilefuse.kernels.gemm.tma import linear_tma_kernel
 from tilefuse.kernels.norms.launch import norm_statistics
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
+from tilefuse.runtime import precision_for
 from tilefuse.sizes import cdiv
 
 # ---- tuners ----------------------------------------------------------------------------------------
@@ -100,13 +101,6 @@ _LINEAR_BACKWARD = fastpath.Plans("linear_backward")
 
 
 # ---- decisions -------------------------------------------------------------------------------------
-def precision_for(dtype: torch.dtype, is_cuda: bool) -> str:
-    """tl.dot's input precision: fp32 is full precision unless torch allows TF32 matmuls."""
-    if dtype == torch.float32:
-        return "tf32" if (is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
-    return "tf32"  # ignored by tl.dot for 16-bit operands
-
-
 def split_k_for(M: int, N: int, K: int, num_sms: int) -> int:
     """How many K slices for a small-M GEMM: enough programs for ~2 waves (with 64-wide column tiles),
     each slice still >= 512 deep. 1 (no split) above 64 rows, where the M x N tiles fill the GPU."""
