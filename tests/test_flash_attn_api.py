@@ -128,9 +128,34 @@ def test_gradients_and_packed_forms(device):
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(dropout_p=0.1), NotImplementedError, "dropout"),
     (dict(window_size=(3,)), ValueError, "window_size"),
+    (dict(window_size=torch.tensor([2.0, 1.0])), ValueError, "window_size"),
+    (dict(window_size=torch.tensor([2, 1, 0])), ValueError, "window_size"),
     (dict(softcap=-1.0), ValueError, "softcap"),
 ])
 def test_what_tilefuse_does_not_have_is_named(device, kwargs, exc, match):
     q = _r(1, 4, 2, 16, seed=0, device=device)
     with pytest.raises(exc, match=match):
         tilefuse.flash_attn_func(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("form", ["tuple", "list", "tensor"])
+def test_window_size_as_a_tuple_list_or_tensor(device, form):
+    """FlashAttention's own tests pass window_size as a tensor: each form gives the tuple's result."""
+    q, k = _r(1, 20, 2, 16, seed=0, device=device), _r(1, 20, 2, 16, seed=1, device=device)
+    window = {"tuple": (5, 2), "list": [5, 2], "tensor": torch.tensor([5, 2])}[form]
+    got = tilefuse.flash_attn_func(q, k, k, window_size=window)
+    want = fa_reference(q.cpu(), k.cpu(), k.cpu(), window_size=(5, 2))[0]
+    assert_close(got, want, BOUND, f"window_size as a {form}")
+    cu = torch.tensor([0, 20], dtype=torch.int32, device=device)
+    packed = tilefuse.flash_attn_varlen_func(q[0], k[0], k[0], cu, cu, 20, 20, window_size=window)
+    assert torch.equal(packed, got[0])
+
+
+def test_varlen_takes_block_table_none_and_names_a_paged_one(device):
+    q = _r(12, 2, 16, seed=0, device=device)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    out = tilefuse.flash_attn_varlen_func(q, q, q, cu, cu, 7, 7, block_table=None)
+    assert out.shape == q.shape
+    table = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        tilefuse.flash_attn_varlen_func(q, q, q, cu, cu, 7, 7, block_table=table)

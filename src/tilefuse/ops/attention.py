@@ -471,13 +471,20 @@ def sdpa_heads_last(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 # ---- FlashAttention 2's API ------------------------------------------------------------------------
 def _fa_check(dropout_p, window_size, softcap):
+    """FlashAttention's shared arguments checked; returns the window as tilefuse takes it (None: unbounded)."""
     if dropout_p != 0.0:
         raise NotImplementedError("tilefuse's flash_attn functions have no dropout; use dropout_p=0.0")
+    if isinstance(window_size, torch.Tensor):  # FlashAttention's own tests pass a tensor of two ints
+        if window_size.shape != (2,) or window_size.is_floating_point() or window_size.is_complex() \
+                or window_size.dtype == torch.bool:
+            raise ValueError(f"window_size as a tensor must hold two ints (left, right), got {window_size!r}")
+        window_size = tuple(int(w) for w in window_size.tolist())
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise ValueError(f"window_size must be (left, right) ints, -1 for unbounded, got {window_size!r}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a number >= 0 (0: none), got {softcap!r}")
+    return None if tuple(window_size) == (-1, -1) else tuple(window_size)
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -492,12 +499,11 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     directly), or with ``return_attn_probs`` ``(out, softmax_lse [B, Hq, Nq], None)``. Forward and backward
     (dq, dk, dv in the inputs' layouts where those are dense, so contiguous inputs get contiguous
     gradients); dropout raises ``NotImplementedError``."""
-    _fa_check(dropout_p, window_size, softcap)
+    window = _fa_check(dropout_p, window_size, softcap)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [B, N, H, d] (FlashAttention's layout), got shape {tuple(t.shape)}")
-    window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
     res = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, window, softmax_scale,
                      return_attn_probs, deterministic, softcap or None, alibi_slopes, out_bnhd=True)
     if not return_attn_probs:
@@ -611,11 +617,14 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False):
+                           deterministic=False, return_attn_probs=False, block_table=None):
     """``flash_attn.flash_attn_varlen_func`` on :func:`attention_varlen` (offsets validated: one host
-    synchronisation). With ``return_attn_probs``: ``(out, softmax_lse [Hq, total_q], None)``."""
-    _fa_check(dropout_p, window_size, softcap)
-    window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
+    synchronisation). With ``return_attn_probs``: ``(out, softmax_lse [Hq, total_q], None)``. ``block_table``
+    (paged keys and values) is not supported yet: anything but None raises NotImplementedError."""
+    if block_table is not None:
+        raise NotImplementedError("tilefuse.flash_attn_varlen_func: block_table (a paged KV cache) is not supported; "
+                                  "pass packed k and v with block_table=None")
+    window = _fa_check(dropout_p, window_size, softcap)
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 window=window, scale=softmax_scale, softcap=softcap or None,
                                 alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True)
