@@ -198,3 +198,17 @@ def test_the_installed_triton_is_supported():
     assert out.returncode == 0, out.stderr
     version, imported = out.stdout.split()
     assert version.startswith("3.6") and imported == "False"
+
+
+def test_a_kernel_call_in_the_interpreter_names_the_numpy_it_cannot_use(monkeypatch):
+    """A user's own script under TRITON_INTERPRET=1 (not the CLI) gets the one-line explanation at the first
+    kernel launch, before the interpreter fails inside with an error that names neither numpy nor the fix."""
+    import tilefuse
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(runtime, "_TRITON_CHECKED", False)
+    monkeypatch.setattr(runtime, "numpy_version", lambda: "2.4.0")
+    with pytest.raises(runtime.InterpreterNumpyError, match=r"needs numpy < 2.4 \(you have numpy 2.4.0\)"):
+        tilefuse.softmax(torch.randn(4, 8), -1)
+    monkeypatch.setattr(runtime, "numpy_version", lambda: "2.3.5")
+    assert torch.allclose(tilefuse.softmax(torch.randn(4, 8), -1).sum(-1), torch.ones(4))
