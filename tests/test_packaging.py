@@ -212,3 +212,31 @@ def test_a_kernel_call_in_the_interpreter_names_the_numpy_it_cannot_use(monkeypa
         tilefuse.softmax(torch.randn(4, 8), -1)
     monkeypatch.setattr(runtime, "numpy_version", lambda: "2.3.5")
     assert torch.allclose(tilefuse.softmax(torch.randn(4, 8), -1).sum(-1), torch.ones(4))
+
+
+def test_make_sets_up_the_venv_again_only_when_its_inputs_change(tmp_path):
+    """The README's commands run the bootstrap once, then again only after pyproject.toml or the bootstrap
+    script changed (a re-run of pip costs seconds on every make otherwise)."""
+    import shutil
+    import time
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "Makefile", tmp_path / "Makefile")
+    shutil.copy(root / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "scripts").mkdir()
+    log = tmp_path / "bootstrap.log"
+    (tmp_path / "scripts" / "bootstrap.sh").write_text(f'mkdir -p "$1/bin"; echo ran >> {log}\n')
+
+    def setup_runs():
+        subprocess.run(["make", "-s", "setup"], cwd=tmp_path, check=True, capture_output=True)
+        return len(log.read_text().splitlines())
+    assert setup_runs() == 1
+    assert setup_runs() == 1  # nothing changed: no bootstrap
+    stamp = tmp_path / ".venv" / ".tilefuse-setup"
+    earlier = time.time() - 10
+    os.utime(stamp, (earlier, earlier))  # pyproject.toml edited after the last setup
+    (tmp_path / "pyproject.toml").touch()
+    assert setup_runs() == 2
+    assert setup_runs() == 2
