@@ -240,3 +240,16 @@ def test_make_sets_up_the_venv_again_only_when_its_inputs_change(tmp_path):
     (tmp_path / "pyproject.toml").touch()
     assert setup_runs() == 2
     assert setup_runs() == 2
+
+
+def test_the_readme_quickstart_runs_as_written():
+    """The README's Quickstart block, verbatim, in a fresh interpreter as a user runs it (no TRITON_INTERPRET):
+    on a GPU the kernels, on a CPU the plain PyTorch reference."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Quickstart"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    path = "compiled" if torch.cuda.is_available() else "reference"
+    assert done.stdout.split()[0] == path, done.stdout
