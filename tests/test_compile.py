@@ -2,9 +2,10 @@
 
 On a CPU the kernels run in the Triton interpreter and the backend is "aot_eager" (inductor would need
 a C++ toolchain for its own CPU code); on a GPU it is "inductor". A compiled call must give what the
-eager call gives, run tilefuse's kernels (not a fallback), carry gradients for the differentiable ops,
-and compile with fullgraph=True (which raises on a graph break). With dynamic=True the compiled function
-is called on two shapes and must not recompile. GPU only: every op's forward captured in a CUDA graph
+eager call gives (on a CPU: the call on the plain-PyTorch reference path, see ``_eager``), run tilefuse's
+kernels (not a fallback), carry gradients for the differentiable ops, and compile with fullgraph=True (which
+raises on a graph break). With dynamic=True the compiled function is called on two shapes and must not
+recompile. GPU only: every op's forward captured in a CUDA graph
 and replayed on new inputs, and a compiled function calling tilefuse ops captured the same way.
 """
 import pytest
@@ -149,36 +150,40 @@ def _graphs(counter, i, first):
     return first
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("case", FORWARD_CASES)
-def test_compiled_forward_matches_eager(device, case, dynamic):
-    make, fn, _ = CASES[case]
-    cfn, counter = _compile(fn, dynamic)
-    sizes, first = (_sizes(case) if dynamic else _sizes(case)[:1]), None
-    for i, n in enumerate(sizes):
-        args = make(n, device, torch.Generator().manual_seed(10 + i))
-        got = cfn(*args)
-        want = fn(*args)
-        first = _graphs(counter, i, first)
-        assert_close(got, want, BOUND, f"{case} n={n} compiled vs eager")
+def _eager(fn, args, monkeypatch, grads_seed=None):
+    """What the eager call gives: on a GPU the eager call itself; on a CPU the same call on the plain-PyTorch
+    reference path (TRITON_INTERPRET unset for it), which the rest of the suite holds the interpreted kernels
+    to, so the compiled kernels are compared without running the interpreter a second time."""
+    with monkeypatch.context() as m:
+        if not ON_GPU:
+            m.delenv("TRITON_INTERPRET", raising=False)
+        if grads_seed is None:
+            with torch.no_grad():
+                return fn(*args)
+        return _grads(fn, args, grads_seed)
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES)
-def test_recording_compiled_call_runs_tilefuse_kernels(device, case):
+def test_compiled_forward_matches_eager_and_runs_tilefuse_kernels(device, case, monkeypatch):
+    """Static shapes, no autograd: the compiled call's launches are tilefuse's kernels (never the reference),
+    and its output is the eager call's."""
     from tilefuse.kernels.launches import recording
 
     make, fn, family = CASES[case]
-    cfn, _ = _compile(fn, dynamic=False)
-    args = make(_sizes(case)[0], device, torch.Generator().manual_seed(0))
-    cfn(*args)  # compiles outside the recording: only the compiled call's launches are recorded
-    with recording() as recs:
-        cfn(*args)
+    cfn, counter = _compile(fn, dynamic=False)
+    args = make(_sizes(case)[0], device, torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        cfn(*args)  # compiles outside the recording: only the compiled call's launches are recorded
+        with recording() as recs:
+            got = cfn(*args)
+    _graphs(counter, 0, None)
     assert len(recs) >= 1, f"{case}: the compiled call launched no tilefuse kernel"
     for rec in recs:
         assert rec.path != "reference", f"{case}: compiled call fell back to the reference ({rec})"
         if not ON_GPU:
             assert rec.path == "interpreter", f"{case}: path {rec.path!r} on a CPU"
         assert any(word in str(rec.op) for word in family), f"{case}: record of op {rec.op!r}"
+    assert_close(got, _eager(fn, args, monkeypatch), BOUND, f"{case} compiled vs eager")
 
 
 def _grads(fn, args, seed):
@@ -194,7 +199,9 @@ def _grads(fn, args, seed):
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("case", GRAD_CASES)
-def test_compiled_gradients_match_eager(device, case, dynamic):
+def test_compiled_gradients_match_eager(device, case, dynamic, monkeypatch):
+    """Forward and gradients of the compiled call against the eager call's; with dynamic=True on two
+    shapes, the second compiled without a recompile."""
     make, fn, _ = CASES[case]
     cfn, counter = _compile(fn, dynamic)
     sizes, first = (SIZES if dynamic else SIZES[:1]), None
@@ -202,7 +209,7 @@ def test_compiled_gradients_match_eager(device, case, dynamic):
         args = make(n, device, torch.Generator().manual_seed(20 + i))
         got_out, got = _grads(cfn, args, seed=30 + i)
         first = _graphs(counter, i, first)
-        want_out, want = _grads(fn, args, seed=30 + i)
+        want_out, want = _eager(fn, args, monkeypatch, grads_seed=30 + i)
         assert_close(got_out, want_out, BOUND, f"{case} n={n} forward")
         for j, (g, w) in enumerate(zip(got, want)):
             if not args[j].is_floating_point():

@@ -134,16 +134,66 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+class _CompileServer:
+    """One child process per test process that compiles job after job (this file run with ``--serve``):
+    a child per compile paid python's start and the imports of torch, triton and tilefuse (~1.5 s on the
+    CI machine) every time, as long as most compiles take. Jobs go as JSON lines on its stdin; each answer is
+    one line on its stdout behind ``_ANSWER`` (whatever else a compiler prints there is skipped)."""
+
+    def __init__(self):
+        self.child = None
+
+    def ask(self, what: str, argv: list) -> dict:
+        for attempt in (0, 1):
+            if self.child is None or self.child.poll() is not None:
+                env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+                self.child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"], env=env,
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            try:
+                self.child.stdin.write(json.dumps(argv) + "\n")
+                self.child.stdin.flush()
+                for line in self.child.stdout:
+                    if line.startswith(_ANSWER):
+                        answer = json.loads(line[len(_ANSWER):])
+                        if "error" in answer:
+                            raise RuntimeError(f"compiling {what} for sm_90a failed:\n{answer['error'][-4000:]}")
+                        return answer["facts"]
+            except BrokenPipeError:
+                pass
+            self.child = None  # it died mid-job (its stderr is the test's): start a fresh one, once
+        raise RuntimeError(f"compiling {what} for sm_90a: the compile process exited")
+
+
+_ANSWER = "@@tilefuse-compile-facts@@ "
+_SERVER = _CompileServer()
+
+
 def _compile_in_child(what: str, argv: list) -> dict:
-    """Under TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile: run this file (by its
-    path: it lives in tests/tools, outside the package) in a child process without it, and read the facts
-    it prints. The child puts tests/ and src/ on sys.path itself, so "tools.compiler" and tilefuse import."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env,
-                         capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"compiling {what} for sm_90a failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Under TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile: run the job in this
+    file's compile process (by its path: it lives in tests/tools, outside the package), started without it,
+    and read the facts it answers. The child puts tests/ and src/ on sys.path itself, so "tools.compiler"
+    and tilefuse import."""
+    return _SERVER.ask(what, argv)
+
+
+def _run_job(argv: list) -> dict:
+    if argv[0] == "--gluon":
+        return compile_gluon_sm90(*json.loads(argv[1]))
+    module, kernel, signature, constexprs, num_warps, num_stages, aligned, maxnreg, ones = json.loads(argv[1])
+    return compile_sm90(module, kernel, signature, constexprs, num_warps, num_stages, tuple(aligned), maxnreg,
+                        tuple(ones))
+
+
+def _serve() -> None:
+    import traceback
+
+    for line in sys.stdin:
+        try:
+            answer = {"facts": _run_job(json.loads(line))}
+        except Exception:  # noqa: BLE001 - the job's error goes back to the test that asked
+            answer = {"error": traceback.format_exc()}
+        sys.stdout.write(_ANSWER + json.dumps(answer) + "\n")
+        sys.stdout.flush()
 
 
 # ---- compile jobs for the Gluon kernels (compile_gluon_sm90's ``job``) -----------------------------------
@@ -268,9 +318,7 @@ if __name__ == "__main__":
     for path in (SRC_DIR, TESTS_DIR):
         if path not in sys.path:
             sys.path.insert(0, path)
-    if sys.argv[1] == "--gluon":
-        print(json.dumps(compile_gluon_sm90(*json.loads(sys.argv[2]))))
-    else:  # --triton
-        module, kernel, signature, constexprs, num_warps, num_stages, aligned, maxnreg, ones = json.loads(sys.argv[2])
-        print(json.dumps(compile_sm90(module, kernel, signature, constexprs, num_warps, num_stages,
-                                      tuple(aligned), maxnreg, tuple(ones))))
+    if sys.argv[1] == "--serve":
+        _serve()
+    else:  # one job: --gluon or --triton, then its JSON
+        print(json.dumps(_run_job(sys.argv[1:3])))
