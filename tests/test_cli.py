@@ -105,3 +105,24 @@ def test_report_config_column_comes_from_the_launch_records():
     assert row["ms"] is None and row["accuracy_pass"]
     assert row["config"] == report.describe_launches(recs), (row["config"], recs)
     assert row["config"].startswith("interpreter"), row["config"]
+
+
+def test_quick_report_names_each_op_with_the_time_left_and_skips_compiling_anchors(tmp_path, capsys):
+    """--quick: the first row per op, 3 seeds, no anchor that compiles unless --anchors names it; without a
+    terminal bar one line per op on stderr names it and estimates the time left."""
+    from tilefuse.harness import report
+
+    result = run_report(ops=["softmax", "rms_norm"], quick=True, out_dir=tmp_path, show_progress=False)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tilefuse report [")]
+    assert [line.split(":")[0] for line in lines] == ["tilefuse report [1/2] softmax", "tilefuse report [2/2] rms_norm"]
+    assert "elapsed, about" in lines[1] and lines[1].endswith("left)")
+    assert result["seeds"] == report.QUICK_SEEDS
+    assert all(len(op["speed"]) == report.QUICK_ROWS and op["seconds"] >= 0 for op in result["ops"].values())
+    assert all(len(a["rel_l2"]) == report.QUICK_SEEDS for op in result["ops"].values() for a in op["accuracy"])
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "quick run: 1 benchmark row per op" in text and "torch\\.compile" in text
+    skipped = report.QUICK_SKIPPED_ANCHORS
+    assert not report._anchor_runs("torch.compile max-autotune", None, skipped)
+    assert not report._anchor_runs("flex_attention", None, skipped)
+    assert report._anchor_runs("sdpa cudnn", None, skipped) and report._anchor_runs("liger", None, skipped)
+    assert report._anchor_runs("torch.compile", ["torch.compile"], skipped)  # --anchors overrides --quick

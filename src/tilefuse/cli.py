@@ -21,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="accuracy, speed, HBM bytes and roofline for every op on this device")
     r.add_argument("--ops", nargs="+", metavar="NAME", help="registry op names (default: all)")
-    r.add_argument("--quick", action="store_true", help="fewer benchmark rows (the first two per op)")
+    r.add_argument("--quick", action="store_true",
+                   help="the first benchmark row per op, 3 seeds per accuracy case, and no anchor that compiles "
+                   "(torch.compile, FlexAttention) unless --anchors names it")
     r.add_argument("--seeds", type=int, default=None, help="seeds per accuracy case (default 20 on GPU, 3 on CPU)")
     r.add_argument("--out", default="report", help="output folder (default: ./report)")
     r.add_argument("--anchors", nargs="+", metavar="REGEX",

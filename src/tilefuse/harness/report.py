@@ -58,12 +58,12 @@ def _quiet_interpreter_math():
         yield
 
 
-def accuracy_for_op(spec: OpSpec, seeds: int, progress=None, task=None) -> list[dict]:
+def accuracy_for_op(spec: OpSpec, seeds: int, progress=None) -> list[dict]:
     with _quiet_interpreter_math():
-        return _accuracy_for_op(spec, seeds, progress, task)
+        return _accuracy_for_op(spec, seeds, progress)
 
 
-def _accuracy_for_op(spec: OpSpec, seeds: int, progress=None, task=None) -> list[dict]:
+def _accuracy_for_op(spec: OpSpec, seeds: int, progress=None) -> list[dict]:
     device = _device()
     rows = []
     cases = spec.accuracy_cases["gpu" if device.type == "cuda" else "cpu"]
@@ -81,7 +81,7 @@ def _accuracy_for_op(spec: OpSpec, seeds: int, progress=None, task=None) -> list
             mx.append(st.max_abs)
             nan_bad += st.nan_mismatch
             if progress is not None:
-                progress.advance(task)
+                progress.advance(progress.SEED)
         rows.append({
             "case": spec.label(params), "dtype": dtype_name(params["dtype"]), "seeds": seeds,
             "rel_l2": rel, "max_abs": mx, "nan_mismatch": nan_bad, "bound": bound,
@@ -97,7 +97,7 @@ def _median(xs):
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter) -> dict:
+def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, skipped=()) -> dict:
     """One benchmark row: fused vs eager vs anchors, same inputs, same process."""
     device = _device()
     inputs = spec.make_inputs(params, device, 0)
@@ -142,7 +142,7 @@ def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter) ->
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
         for name, fn in spec.anchors(params).items():
-            if anchor_filter and not any(re.fullmatch(f, name) for f in anchor_filter):
+            if not _anchor_runs(name, anchor_filter, skipped):
                 continue
             timings[name] = _safe_bench(lambda fn=fn: fn(**inputs))
     ms = row["ms"]
@@ -205,12 +205,76 @@ def check_anchor_filter(anchor_filter, specs, bench_plan) -> None:
                          f"(whole names; they have: {', '.join(sorted(names))})")
 
 
+# --quick: one benchmark row per op, QUICK_SEEDS seeds per accuracy case, and no anchor that compiles (their
+# compiles take seconds to minutes a row: torch.compile's, FlexAttention's) unless --anchors names it.
+QUICK_ROWS = 1
+QUICK_SEEDS = 3
+QUICK_SKIPPED_ANCHORS = (r"torch\.compile.*", r"flex_attention.*")
+
+
+class _Progress:
+    """What the terminal shows while the report runs: the op and the case in progress, and an estimate of the
+    time left. Each step is weighted by what it typically costs (an accuracy seed, a benchmark row with its
+    anchors), and the estimate is the elapsed time per weight done so far times the weight still to do. With a
+    terminal and the bar on, a rich bar; otherwise (--no-progress, or output to a file) one line per op on
+    stderr."""
+
+    SEED, ROW, ANCHOR = 1.0, 8.0, 4.0  # relative weights: one accuracy seed, a row's own timings, each anchor
+
+    def __init__(self, total: float, ops: int, bar: bool):
+        import sys
+
+        self.total, self.done, self.ops, self.op_index = max(total, 1e-9), 0.0, ops, 0
+        self.start = time.perf_counter()
+        self.stream = sys.stderr
+        self.bar = None
+        if bar and self.stream.isatty():
+            from rich.progress import Progress
+            self.bar = Progress(transient=True)
+            self.task = self.bar.add_task("tilefuse report", total=self.total)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def left_text(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        if self.done <= 0:
+            return f"{_clock(elapsed)} elapsed"
+        return f"{_clock(elapsed)} elapsed, about {_clock(elapsed / self.done * (self.total - self.done))} left"
+
+    def op(self, name: str, what: str) -> None:
+        self.op_index += 1
+        line = f"[{self.op_index}/{self.ops}] {name}: {what} ({self.left_text()})"
+        if self.bar is not None:
+            self.bar.update(self.task, description=line)
+        else:
+            print(f"tilefuse report {line}", file=self.stream, flush=True)
+
+    def case(self, name: str, what: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=f"[{self.op_index}/{self.ops}] {name}: {what} ({self.left_text()})")
+
+    def advance(self, weight: float) -> None:
+        self.done += weight
+        if self.bar is not None:
+            self.bar.advance(self.task, weight)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
 def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filter=None,
                show_progress=True, dtypes=None, case_filter=None) -> dict:
-    from rich.progress import Progress
-
     on_gpu = torch.cuda.is_available()
-    seeds = seeds or (20 if on_gpu else 3)
+    seeds = seeds or (QUICK_SEEDS if quick else 20 if on_gpu else 3)
     specs = [registry.get(n) for n in ops] if ops else list(registry.REGISTRY.values())
 
     def selected(spec, params):
@@ -219,28 +283,39 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
 
     bench_plan = {s.name: [p for p in s.bench_cases if selected(s, p)] for s in specs}
     check_anchor_filter(anchor_filter, specs, bench_plan)
+    if quick:
+        bench_plan = {name: cases[:QUICK_ROWS] for name, cases in bench_plan.items()}
+    skipped = () if anchor_filter or not quick else QUICK_SKIPPED_ANCHORS
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {}}
+    result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {},
+              "anchors_skipped": list(skipped)}
     result["ceilings"] = measure_ceilings() if on_gpu else {}
-    if quick:
-        bench_plan = {name: cases[:2] for name, cases in bench_plan.items()}
-    total = sum(len(s.accuracy_cases["gpu" if on_gpu else "cpu"]) * seeds for s in specs)
-    total += sum(len(v) for v in bench_plan.values()) if on_gpu else 0
-    with Progress(disable=not show_progress, transient=True) as progress:
-        task = progress.add_task("tilefuse report", total=total)
+    where = "gpu" if on_gpu else "cpu"
+
+    def row_weight(spec, params):
+        if not on_gpu:
+            return 0.0
+        names = [n for n in spec.anchors(params) if _anchor_runs(n, anchor_filter, skipped)]
+        return _Progress.ROW + _Progress.ANCHOR * len(names)
+    total = sum(len(s.accuracy_cases[where]) * seeds * _Progress.SEED for s in specs)
+    total += sum(row_weight(s, p) for s in specs for p in bench_plan[s.name])
+    started = time.perf_counter()
+    with _Progress(total, len(specs), show_progress) as progress:
         for spec in specs:
             records_before = _record_keys()
-            progress.update(task, description=f"{spec.name}: accuracy")
+            op_started = time.perf_counter()
+            progress.op(spec.name, f"{len(spec.accuracy_cases[where])} accuracy cases x {seeds} seeds, "
+                                   f"{len(bench_plan[spec.name]) if on_gpu else 0} benchmark rows")
             entry = {"summary": spec.summary, "bound": spec.bound,
-                     "accuracy": accuracy_for_op(spec, seeds, progress, task), "speed": []}
+                     "accuracy": accuracy_for_op(spec, seeds, progress), "speed": []}
             result["ops"][spec.name] = entry
             _write(result, out)
             for params in bench_plan[spec.name]:
-                progress.update(task, description=f"{spec.name}: {spec.label(params)}")
+                progress.case(spec.name, spec.label(params))
                 if on_gpu:
-                    entry["speed"].append(speed_for_case(spec, params, result["ceilings"], anchor_filter))
-                    progress.advance(task)
+                    entry["speed"].append(speed_for_case(spec, params, result["ceilings"], anchor_filter, skipped))
+                    progress.advance(row_weight(spec, params))
                     _write(result, out)  # after every row, so a run cut short still leaves its results
                 else:  # the byte model still holds; times do not
                     entry["speed"].append({"case": spec.label(params),
@@ -250,8 +325,16 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
             entry["tuning"] = [r for r in tuning.tuning_records()
                                if (r["kernel"], r["key"]) not in records_before]
             entry["plots"] = plots.write_op_plots(spec.name, entry, out)
+            entry["seconds"] = round(time.perf_counter() - op_started, 1)
+    result["seconds"] = round(time.perf_counter() - started, 1)
     _write(result, out)
     return result
+
+
+def _anchor_runs(name: str, anchor_filter, skipped) -> bool:
+    if anchor_filter:
+        return any(re.fullmatch(f, name) for f in anchor_filter)
+    return not any(re.fullmatch(f, name) for f in skipped)
 
 
 def _record_keys() -> set:
@@ -435,6 +518,12 @@ def summary_lines(result: dict) -> list[str]:
         lines += speed
     elif any(op.get("speed") for op in result["ops"].values()):
         lines.append("speed: not timed (no GPU: kernels ran in the Triton interpreter)")
+    if result.get("quick"):
+        skipped = result.get("anchors_skipped") or []
+        lines.append(f"quick run: {QUICK_ROWS} benchmark row per op, {result['seeds']} seeds per accuracy case"
+                     + (f"; anchors not run: {', '.join(skipped)}" if skipped else ""))
+    if isinstance(result.get("seconds"), (int, float)):
+        lines.append(f"took {_clock(result['seconds'])}")
     return lines
 
 
