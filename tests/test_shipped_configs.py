@@ -1,0 +1,90 @@
+"""The tuned configs shipped for the H200 (src/tilefuse/configs/nvidia-h200.json) give right answers.
+
+The GPU suite pins every kernel to its first config (TILEFUSE_AUTOTUNE=0), so the configs users actually run
+would otherwise never be checked. Here, on an H200, the tuners read the shipped table (an empty user cache, no
+benchmarking: a key the table lacks takes the pinned first config), every GPU accuracy case and benchmark row
+of the ops behind each table family runs once, its leading size moved off the power of two where that keeps the
+key's bucket (ragged last tiles), against float64 -- and every entry of the table must have served one of them.
+"""
+import json
+
+import pytest
+import torch
+
+from helpers import check_against_reference
+from tilefuse import registry, sizes, tuning
+from tilefuse.kernels import fastpath
+from tilefuse.tuning import tables
+
+SLUG = "nvidia-h200"
+TABLE = tables.load_shipped_table(tables.shipped_table_path(SLUG))
+# Each kernel of the table, by the family of ops whose calls choose its configs.
+FAMILIES = {
+    "gemm": (("linear_portable", "linear_splitk", "linear_tma"), ("linear", "gated_linear")),
+    "norms": (("norm_fwd",), ("layer_norm", "rms_norm")),
+    "softmax": (("softmax_fwd_block", "softmax_fwd_long"), ("softmax",)),
+}
+
+
+def test_every_shipped_kernel_belongs_to_a_family():
+    kernels = {k for family in FAMILIES.values() for k in family[0]}
+    assert set(TABLE) <= kernels, f"shipped kernels with no family here: {sorted(set(TABLE) - kernels)}"
+    assert set(TABLE) >= kernels, f"families name kernels the table lacks: {sorted(kernels - set(TABLE))}"
+    ops = [op for family in FAMILIES.values() for op in family[1]]
+    assert all(op in registry.REGISTRY for op in ops)
+
+
+def _ragged(params):
+    """params with the leading size 3 below where that keeps its power-of-two bucket (the tuning key)."""
+    shape = params.get("shape")
+    if not shape or shape[0] < 8 or sizes.m_bucket(shape[0] - 3) != sizes.m_bucket(shape[0]):
+        return params
+    return dict(params, shape=(shape[0] - 3, *shape[1:]))
+
+
+@pytest.fixture
+def shipped_tuners(monkeypatch, tmp_path):
+    """Every tuner unpinned, with empty in-process caches, reading an empty user cache and the shipped table;
+    a key the table lacks runs the first pruned config instead of benchmarking the space."""
+    from tilefuse.kernels.gemm import launch as _g  # noqa: F401  (each family's tuners, registered)
+    from tilefuse.kernels.norms import launch as _n  # noqa: F401
+    from tilefuse.kernels.softmax import launch as _s  # noqa: F401
+
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning.autotuner, "_use_stored_configs", True)
+    original = tuning.TableAutotuner.choose
+
+    def choose_without_benchmarking(self, args, kwargs):
+        key, text, configs = original(self, args, kwargs)
+        if len(configs) > 1:
+            config = self._pruned(args, kwargs)[0]
+            self._remember(key, text, config, "pinned (not in the shipped table)", None, {"timings": []})
+            configs = [config]
+        return key, text, configs
+
+    monkeypatch.setattr(tuning.TableAutotuner, "choose", choose_without_benchmarking)
+    for t in tuning.autotuner._TUNERS.values():
+        monkeypatch.setattr(t, "pinned", False)
+        monkeypatch.setattr(t, "cache", {})
+        monkeypatch.setattr(t, "records", {})
+    fastpath.clear_all()
+    yield
+    fastpath.clear_all()
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_shipped_config_computes_its_bucket_against_float64(family, shipped_tuners):
+    if torch.cuda.get_device_name() != "NVIDIA H200":
+        pytest.skip(f"the table is the H200's; this GPU is {torch.cuda.get_device_name()}")
+    kernels, ops = FAMILIES[family]
+    device = torch.device("cuda")
+    for op in ops:
+        spec = registry.get(op)
+        for params in list(spec.accuracy_cases["gpu"]) + list(spec.bench_cases):
+            params = _ragged(params)
+            check_against_reference(spec, params, device, seed=len(spec.label(params)))
+            torch.cuda.empty_cache()
+    served = {(r["kernel"], r["key"]) for r in tuning.tuning_records() if r["source"] == "shipped"}
+    unserved = [(k, key) for k in kernels for key in TABLE.get(k, {}) if (k, key) not in served]
+    assert not unserved, "shipped entries no case of " + ", ".join(ops) + " ran:\n" + json.dumps(unserved, indent=1)
