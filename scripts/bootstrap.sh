@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Make (or refresh) the local venv the README's commands use.
 # - The venv sees the system's site-packages, so a CUDA torch/triton a GPU user already has is used
-#   as is and never replaced; only when `import torch` fails is the pinned CPU build installed.
+#   as is and never replaced; only when no torch is installed is the pinned CPU build installed.
 # - Without a GPU the kernels run in the Triton interpreter, which breaks on numpy >= 2.4: pin it then.
+# - What is missing goes in one pip call without byte-compiling (Python compiles what it imports, once):
+#   on a fresh CPU machine that is about half the time of one call per package.
 set -euo pipefail
 VENV=${1:-.venv}
 PY=${PYTHON:-python3}
@@ -10,15 +12,25 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv --system-site-packages "$VENV"
 fi
 V="$VENV/bin/python"
-pip_install() { "$V" -m pip install -q --disable-pip-version-check "$@"; }
-if ! "$V" -c "import torch" 2>/dev/null; then
-  pip_install "torch==2.13.0"
-fi
-if ! "$V" -c "import triton" 2>/dev/null; then
-  pip_install "triton==3.6.0"
-fi
-if ! "$V" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  pip_install "numpy<2.4"
-fi
-pip_install pytest pytest-xdist hypothesis matplotlib rich "transformers==5.17.0"
-pip_install --no-deps -e .
+# One probe: which of torch and triton are installed (without importing them), and whether a GPU is there.
+read -r HAS_TORCH HAS_TRITON HAS_GPU < <("$V" - <<'PROBE'
+import importlib.util
+torch = importlib.util.find_spec("torch") is not None
+triton = importlib.util.find_spec("triton") is not None
+gpu = False
+if torch:
+    try:
+        import torch as t
+        gpu = t.cuda.is_available()
+    except Exception:  # an installed torch that does not import: install the pinned one
+        torch = False
+print(int(torch), int(triton), int(gpu))
+PROBE
+)
+WANT=()
+[ "$HAS_TORCH" = 1 ] || WANT+=("torch==2.13.0")
+[ "$HAS_TRITON" = 1 ] || WANT+=("triton==3.6.0")
+[ "$HAS_GPU" = 1 ] || WANT+=("numpy<2.4")
+WANT+=(pytest pytest-xdist hypothesis matplotlib rich "transformers==5.17.0")
+"$V" -m pip install -q --disable-pip-version-check --no-compile "${WANT[@]}"
+"$V" -m pip install -q --disable-pip-version-check --no-compile --no-deps -e .

@@ -122,7 +122,11 @@ def _dtensor_ops(rank, device, mesh):
 SCENARIOS = {"fsdp": _fsdp, "tensor_parallel": _tensor_parallel, "dtensor_ops": _dtensor_ops}
 
 
-def _worker(rank, backend, scenario, port, out_dir):
+def _scenarios(backend):
+    return ["fsdp", "tensor_parallel"] + (["dtensor_ops"] if backend == "gloo" else [])
+
+
+def _worker(rank, backend, port, out_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -132,45 +136,53 @@ def _worker(rank, backend, scenario, port, out_dir):
         if backend == "nccl":
             torch.cuda.set_device(device)
         mesh = init_device_mesh(device.type, (WORLD,))
-        result = SCENARIOS[scenario](rank, device, mesh)
+        results = {name: SCENARIOS[name](rank, device, mesh) for name in _scenarios(backend)}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+            json.dump(results, f)
     finally:
         dist.destroy_process_group()
 
 
-def _run(scenario, backend, tmp_path):
+def _run(backend, tmp_path):
+    """Every scenario of the backend in one pair of processes (each start imports torch and transformers)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(backend, scenario, port, str(tmp_path)), nprocs=WORLD)
+    mp.spawn(_worker, args=(backend, port, str(tmp_path)), nprocs=WORLD)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_fsdp2_trains_a_patched_model_as_the_unpatched_one(backend, tmp_path):
+def _check_fsdp(result):
+    """FSDP2 trains a patched model as the unpatched one."""
     bound = REL_L2_BOUND[torch.float32]  # the models are fp32 on either backend
-    for result in _run("fsdp", backend, tmp_path):
-        for a, b in zip(result["patched"], result["unpatched"]):
-            assert abs(a - b) <= bound * abs(b), result
+    for a, b in zip(result["patched"], result["unpatched"]):
+        assert abs(a - b) <= bound * abs(b), result
+
+
+def _check_tensor_parallel(result):
+    """The tensor-parallel plan matches the single-process model."""
+    assert result["q_proj_local_rows"] == 4 * 8 // WORLD  # whole heads per rank: 2 of 4, head dim 8
+    assert result["rel_l2"] <= REL_L2_BOUND[torch.float32], result
+    assert result["grads_finite"]
+
+
+def _check_dtensor_ops(result):
+    """The ops run on local shards and name the placements they refuse."""
+    assert result["col_placement"] == "S(1)"
+    assert max(result["col_rel"], result["row_rel"], result["norm_rel"]) <= REL_L2_BOUND[torch.float32]
+    assert "activation needs the row-parallel sum first" in result["errors"]["row_with_activation"]
+    assert "got x S(1)" in result["errors"]["norm_over_sharded_dim"]
+    assert result["attention_rel"] <= REL_L2_BOUND[torch.float32]
+    assert "got q S(2)" in result["errors"]["attention_over_sequence"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_tensor_parallel_plan_matches_the_single_process_model(backend, tmp_path):
-    for result in _run("tensor_parallel", backend, tmp_path):
-        assert result["q_proj_local_rows"] == 4 * 8 // WORLD  # whole heads per rank: 2 of 4, head dim 8
-        assert result["rel_l2"] <= REL_L2_BOUND[torch.float32], result
-        assert result["grads_finite"]
-
-
-def test_ops_run_on_local_shards_and_name_the_placements_they_refuse(tmp_path):
-    for result in _run("dtensor_ops", "gloo", tmp_path):
-        assert result["col_placement"] == "S(1)"
-        assert max(result["col_rel"], result["row_rel"], result["norm_rel"]) <= REL_L2_BOUND[torch.float32]
-        assert "activation needs the row-parallel sum first" in result["errors"]["row_with_activation"]
-        assert "got x S(1)" in result["errors"]["norm_over_sharded_dim"]
-        assert result["attention_rel"] <= REL_L2_BOUND[torch.float32]
-        assert "got q S(2)" in result["errors"]["attention_over_sequence"]
+def test_fsdp2_tensor_parallel_and_shard_ops_in_two_processes(backend, tmp_path):
+    checks = {"fsdp": _check_fsdp, "tensor_parallel": _check_tensor_parallel, "dtensor_ops": _check_dtensor_ops}
+    for rank, results in enumerate(_run(backend, tmp_path)):
+        assert sorted(results) == sorted(_scenarios(backend)), rank
+        for name in _scenarios(backend):
+            checks[name](results[name])
 
 
 def test_the_plan_refuses_what_it_cannot_split():

@@ -83,17 +83,19 @@ def test_cli_bench_mlp_train(tmp_path):
     env = dict(os.environ)
     if not ON_GPU:
         env.pop("TRITON_INTERPRET", None)  # the CLI itself must select the interpreter before importing triton
+    # The compiled variants run in-process above (test_every_variant_trains_from_the_same_start); the command's
+    # own part is the interpreter selected before triton's import, its output and its files.
+    variants = [name for name in VARIANTS if "compile" not in name]
     proc = subprocess.run([sys.executable, "-m", "tilefuse", "bench", "mlp-train", "--steps", "2", "--d", "16",
-                           "--tokens", "32", "--out", str(out), "--no-progress"],
+                           "--tokens", "32", "--out", str(out), "--no-progress", "--variants", *variants],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no GPU" not in proc.stdout.splitlines()[0]  # all sizes given: no tiny-default line
-    assert "final loss within 1% of eager: tilefuse PASS; torch.compile PASS; torch.compile over tilefuse PASS" \
-        in proc.stdout, proc.stdout
-    for name in VARIANTS:
+    assert "final loss within 1% of eager: tilefuse PASS" in proc.stdout, proc.stdout
+    for name in variants:
         assert any(line.startswith(name + " ") for line in proc.stdout.splitlines()), (name, proc.stdout)
     data = json.loads((out / mlp_train.JSON_NAME).read_text())
-    assert list(data["variants"]) == list(VARIANTS)
+    assert list(data["variants"]) == variants
     assert data["path"] == ("compiled" if ON_GPU else "interpreter")
     assert (out / mlp_train.PNG_NAME).stat().st_size > 1000
 
