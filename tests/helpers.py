@@ -1,6 +1,7 @@
 """Assertion helpers shared by every test file."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tilefuse.harness.stats import error_stats, poison_outputs_like, to_float64
@@ -40,3 +41,13 @@ def train_losses(loss_fn, optimizer, steps: int) -> list[float]:
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def representative(cases, keep=1):
+    """A parametrize list whose first ``keep`` cases run everywhere and the rest are marked exhaustive (the
+    GPU suite runs them; the CPU suite leaves them out): put the cases that differ most first."""
+    out = []
+    for i, case in enumerate(cases):
+        values = case if isinstance(case, tuple) else (case,)
+        out.append(pytest.param(*values) if i < keep else pytest.param(*values, marks=pytest.mark.exhaustive))
+    return out

@@ -1,7 +1,5 @@
 """The CLI and the report on this device (on a CPU: interpreter accuracy, no timing)."""
 import json
-import subprocess
-import sys
 
 import torch
 
@@ -23,12 +21,15 @@ def test_report_writes_markdown_json_and_plots(tmp_path):
         assert "not meaningful" in (tmp_path / "REPORT.md").read_text()
 
 
-def test_cli_info_and_unknown_op(tmp_path):
-    info = subprocess.run([sys.executable, "-m", "tilefuse", "info"], capture_output=True, text=True, check=True)
-    assert "linear" in info.stdout and "path:" in info.stdout
-    bad = subprocess.run([sys.executable, "-m", "tilefuse", "report", "--ops", "nope", "--out", str(tmp_path)],
-                         capture_output=True, text=True)
-    assert bad.returncode != 0 and "unknown op 'nope'" in bad.stderr
+def test_cli_info_and_unknown_op(tmp_path, capsys):
+    # `python -m tilefuse` runs cli.main (tests/test_packaging.py runs the module itself once).
+    from tilefuse import cli
+
+    assert cli.main(["info"]) == 0
+    info = capsys.readouterr().out
+    assert "linear" in info and "path:" in info
+    assert cli.main(["report", "--ops", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown op 'nope'" in capsys.readouterr().err
 
 
 def test_report_selects_bench_rows_by_dtype_and_label(tmp_path):
@@ -38,13 +39,15 @@ def test_report_selects_bench_rows_by_dtype_and_label(tmp_path):
     assert [(r["case"], r["dtype"]) for r in rows] == [("M1 K4096 N4096 gelu", "bf16"), ("M16 K4096 N4096 gelu", "bf16")]
 
 
-def test_report_refuses_an_anchor_pattern_that_matches_nothing(tmp_path):
+def test_report_refuses_an_anchor_pattern_that_matches_nothing(tmp_path, capsys):
     # "cublaslt" is not a whole anchor name ("cublaslt_epilogue" is): the run would silently lose that
     # column, so the CLI stops before any work and lists the names there are.
-    bad = subprocess.run([sys.executable, "-m", "tilefuse", "report", "--ops", "linear", "--anchors", "cublaslt",
-                          "torch.compile", "--out", str(tmp_path)], capture_output=True, text=True)
-    assert bad.returncode == 2, bad.stderr
-    assert "--anchors cublaslt matches no anchor" in bad.stderr and "cublaslt_epilogue" in bad.stderr
+    from tilefuse import cli
+
+    assert cli.main(["report", "--ops", "linear", "--anchors", "cublaslt", "torch.compile", "--out",
+                     str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--anchors cublaslt matches no anchor" in err and "cublaslt_epilogue" in err
     assert not (tmp_path / "report.json").exists()
 
 
