@@ -13,6 +13,8 @@
 # TILEFUSE_REGISTRY_STRIDE=k to run every k-th registry-grid case (tests/conftest.py),
 # HOST_PER_OP=1 to time the host side of every op first (benchmarks/host_per_op.py: this tree with and
 # without the launch layer's fast path, and the tree carried in .carry/old/src when there is one),
+# REPORT_FIRST=1 to run the report before the tests (a cold Triton cache, as a user's first run has), REPORT_LIMIT
+# seconds for it,
 # REPORT_ARGS extra arguments for `tilefuse report`, split as a shell would (quotes group words, no globbing:
 # REPORT_ARGS="--anchors 'eager unfused' 'torch.compile.*'"), LABS=1 to run the Gluon labs' benches after the tests
 # (benchmarks/gemm_coop_ws.py bench and forward, attention_bwd_wide.py and decode_gemv.py bench), or LABS="lab:command ..." for
@@ -48,6 +50,21 @@ if [ "${HOST_PER_OP:-0}" = 1 ]; then
   echo "host per op exit: $?" >> "$OUT/host.log"
   tail -3 "$OUT/host.log"
 fi
+run_report() {  # `tilefuse report` for OPS into $OUT/report.tgz, inside what is left of the limit
+  REPORT_ARGV=()
+  if [ -n "${REPORT_ARGS:-}" ]; then set -f; eval "REPORT_ARGV=(${REPORT_ARGS})"; set +f; fi
+  local limit=$(( $(left) - 25 ))
+  [ -n "${REPORT_LIMIT:-}" ] && [ "$REPORT_LIMIT" -lt "$limit" ] && limit=$REPORT_LIMIT
+  timeout "$limit" python3 -m tilefuse report --no-progress --out "$OUT/report" \
+    ${OPS[@]:+--ops "${OPS[@]}"} ${REPORT_ARGV[@]+"${REPORT_ARGV[@]}"} > "$OUT/report.log" 2>&1
+  echo "report exit: $?" >> "$OUT/report.log"
+  tail -3 "$OUT/report.log"
+  # This call's rows as the results table; after committing the report, regenerate benchmarks/RESULTS.md
+  # over the latest committed reports (benchmarks/results_table.py).
+  [ -f "$OUT/report/report.json" ] && python3 benchmarks/results_table.py "$OUT/report/report.json" --out "$OUT/RESULTS.md" >/dev/null
+  tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$OUT/report"
+}
+if [ "${REPORT:-1}" = 1 ] && [ "${REPORT_FIRST:-0}" = 1 ]; then run_report; fi
 K_EXPR=${TEST_K:-}   # pytest -k expression; default: the whole suite
 if [ "${TESTS:-1}" = 1 ]; then
   # Tests pin each kernel to its first config (TILEFUSE_AUTOTUNE=0): hundreds of small shapes must not
@@ -102,18 +119,7 @@ if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   echo "sanitizer exit: $?" >> "$OUT/sanitizer.log"
   tail -3 "$OUT/sanitizer.log"
 fi
-if [ "${REPORT:-1}" = 1 ]; then
-  REPORT_ARGV=()
-  if [ -n "${REPORT_ARGS:-}" ]; then set -f; eval "REPORT_ARGV=(${REPORT_ARGS})"; set +f; fi
-  timeout "$(( $(left) - 25 ))" python3 -m tilefuse report --no-progress --out "$OUT/report" \
-    ${OPS[@]:+--ops "${OPS[@]}"} ${REPORT_ARGV[@]+"${REPORT_ARGV[@]}"} > "$OUT/report.log" 2>&1
-  echo "report exit: $?" >> "$OUT/report.log"
-  tail -3 "$OUT/report.log"
-  # This call's rows as the results table; after committing the report, regenerate benchmarks/RESULTS.md
-  # over the latest committed reports (benchmarks/results_table.py).
-  [ -f "$OUT/report/report.json" ] && python3 benchmarks/results_table.py "$OUT/report/report.json" --out "$OUT/RESULTS.md" >/dev/null
-  tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$OUT/report"
-fi
+if [ "${REPORT:-1}" = 1 ] && [ "${REPORT_FIRST:-0}" != 1 ]; then run_report; fi
 if [ "${CACHE_OUT:-0}" = 1 ]; then  # the full suite's cache is too large to come back (> 16 MiB)
   tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
   [ "$(stat -c %s "$OUT/triton_cache.tgz")" -gt 15000000 ] && rm -f "$OUT/triton_cache.tgz"
