@@ -388,7 +388,7 @@ def test_flipping_allow_tf32_between_fp32_calls_changes_the_precision_of_the_nex
     q, k, v = (torch.randn(1, 2, 256, 64, generator=g).cuda() for _ in range(3))
     dout = torch.randn(1, 2, 256, 64, generator=g).cuda()
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    want = ref.attend(*ref_in, None, None, 0, -1, -1)[0]
+    want = ref.attend(*ref_in, None, 64 ** -0.5, 0, -1, -1)[0]
     want.backward(dout.double())
     before = torch.backends.cuda.matmul.allow_tf32
     try:

@@ -123,7 +123,7 @@ def test_quick_report_names_each_op_with_the_time_left_and_skips_compiling_ancho
     assert all(len(op["speed"]) == report.QUICK_ROWS and op["seconds"] >= 0 for op in result["ops"].values())
     assert all(len(a["rel_l2"]) == report.QUICK_SEEDS for op in result["ops"].values() for a in op["accuracy"])
     text = (tmp_path / "REPORT.md").read_text()
-    assert "quick run: 1 benchmark row per op" in text and "torch\\.compile" in text
+    assert "quick run: 1 benchmark row and the first 2 accuracy cases per op" in text and "torch\\.compile" in text
     skipped = report.QUICK_SKIPPED_ANCHORS
     assert not report._anchor_runs("torch.compile max-autotune", None, skipped)
     assert not report._anchor_runs("flex_attention", None, skipped)

@@ -85,7 +85,7 @@ def test_summary_on_a_cpu_report_has_no_speed():
     text = report.summary_text(_cpu_result())
     assert text.splitlines() == ["accuracy PASS: bounds met on 4 of 4 cases",
                                  "speed: not timed (no GPU: kernels ran in the Triton interpreter)",
-                                 "quick run: 1 benchmark row per op, 3 seeds per accuracy case"]
+                                 "quick run: 1 benchmark row and the first 2 accuracy cases per op, 3 seeds per accuracy case"]
     assert "beats" not in text
 
 

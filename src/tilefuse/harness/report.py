@@ -58,16 +58,20 @@ def _quiet_interpreter_math():
         yield
 
 
-def accuracy_for_op(spec: OpSpec, seeds: int, progress=None) -> list[dict]:
+def accuracy_cases(spec: OpSpec, quick: bool = False) -> list[dict]:
+    cases = list(spec.accuracy_cases["gpu" if torch.cuda.is_available() else "cpu"])
+    return cases[:QUICK_ACCURACY_CASES] if quick else cases
+
+
+def accuracy_for_op(spec: OpSpec, seeds: int, progress=None, quick: bool = False) -> list[dict]:
     with _quiet_interpreter_math():
-        return _accuracy_for_op(spec, seeds, progress)
+        return _accuracy_for_op(spec, seeds, progress, quick)
 
 
-def _accuracy_for_op(spec: OpSpec, seeds: int, progress=None) -> list[dict]:
+def _accuracy_for_op(spec: OpSpec, seeds: int, progress=None, quick: bool = False) -> list[dict]:
     device = _device()
     rows = []
-    cases = spec.accuracy_cases["gpu" if device.type == "cuda" else "cpu"]
-    for params in cases:
+    for params in accuracy_cases(spec, quick):
         bound = spec.tolerance(params)
         rel, mx, nan_bad = [], [], 0
         for seed in range(seeds):
@@ -205,9 +209,11 @@ def check_anchor_filter(anchor_filter, specs, bench_plan) -> None:
                          f"(whole names; they have: {', '.join(sorted(names))})")
 
 
-# --quick: one benchmark row per op, QUICK_SEEDS seeds per accuracy case, and no anchor that compiles (their
-# compiles take seconds to minutes a row: torch.compile's, FlexAttention's) unless --anchors names it.
+# --quick: one benchmark row per op, the first QUICK_ACCURACY_CASES accuracy cases at QUICK_SEEDS seeds each, and
+# no anchor that compiles (their compiles take seconds to minutes a row: torch.compile's, FlexAttention's) unless
+# --anchors names it. On a cold Triton cache a run's time is mostly kernel compiles, one per case's specialization.
 QUICK_ROWS = 1
+QUICK_ACCURACY_CASES = 2
 QUICK_SEEDS = 3
 QUICK_SKIPPED_ANCHORS = (r"torch\.compile.*", r"flex_attention.*")
 
@@ -290,31 +296,35 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     out.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {},
               "anchors_skipped": list(skipped)}
+    ceilings_started = time.perf_counter()
     result["ceilings"] = measure_ceilings() if on_gpu else {}
-    where = "gpu" if on_gpu else "cpu"
+    result["ceilings_seconds"] = round(time.perf_counter() - ceilings_started, 1)
 
     def row_weight(spec, params):
         if not on_gpu:
             return 0.0
         names = [n for n in spec.anchors(params) if _anchor_runs(n, anchor_filter, skipped)]
         return _Progress.ROW + _Progress.ANCHOR * len(names)
-    total = sum(len(s.accuracy_cases[where]) * seeds * _Progress.SEED for s in specs)
+    total = sum(len(accuracy_cases(s, quick)) * seeds * _Progress.SEED for s in specs)
     total += sum(row_weight(s, p) for s in specs for p in bench_plan[s.name])
     started = time.perf_counter()
     with _Progress(total, len(specs), show_progress) as progress:
         for spec in specs:
             records_before = _record_keys()
             op_started = time.perf_counter()
-            progress.op(spec.name, f"{len(spec.accuracy_cases[where])} accuracy cases x {seeds} seeds, "
+            progress.op(spec.name, f"{len(accuracy_cases(spec, quick))} accuracy cases x {seeds} seeds, "
                                    f"{len(bench_plan[spec.name]) if on_gpu else 0} benchmark rows")
             entry = {"summary": spec.summary, "bound": spec.bound,
-                     "accuracy": accuracy_for_op(spec, seeds, progress), "speed": []}
+                     "accuracy": accuracy_for_op(spec, seeds, progress, quick), "speed": []}
+            entry["accuracy_seconds"] = round(time.perf_counter() - op_started, 1)
             result["ops"][spec.name] = entry
             _write(result, out)
             for params in bench_plan[spec.name]:
                 progress.case(spec.name, spec.label(params))
                 if on_gpu:
+                    row_started = time.perf_counter()
                     entry["speed"].append(speed_for_case(spec, params, result["ceilings"], anchor_filter, skipped))
+                    entry["speed"][-1]["seconds"] = round(time.perf_counter() - row_started, 1)
                     progress.advance(row_weight(spec, params))
                     _write(result, out)  # after every row, so a run cut short still leaves its results
                 else:  # the byte model still holds; times do not
@@ -520,7 +530,8 @@ def summary_lines(result: dict) -> list[str]:
         lines.append("speed: not timed (no GPU: kernels ran in the Triton interpreter)")
     if result.get("quick"):
         skipped = result.get("anchors_skipped") or []
-        lines.append(f"quick run: {QUICK_ROWS} benchmark row per op, {result['seeds']} seeds per accuracy case"
+        lines.append(f"quick run: {QUICK_ROWS} benchmark row and the first {QUICK_ACCURACY_CASES} accuracy cases "
+                     f"per op, {result['seeds']} seeds per accuracy case"
                      + (f"; anchors not run: {', '.join(skipped)}" if skipped else ""))
     if isinstance(result.get("seconds"), (int, float)):
         lines.append(f"took {_clock(result['seconds'])}")
