@@ -382,27 +382,38 @@ def test_batched_decode_past_the_grid_axis_limit(d):
 def test_flipping_allow_tf32_between_fp32_calls_changes_the_precision_of_the_next_call():
     """fp32 attention reads torch.backends.cuda.matmul.allow_tf32 at each call, forward and backward: the host
     fast path keys its plans on it, so a flip between two calls of the same shapes never replays the other
-    precision's kernels. With the flag off each call meets fp32's bound against float64; with it on, tf32's
-    (and its error shows that tf32 ran)."""
+    precision's kernels. Each call, flipped back and forth with the plans kept, equals bit for bit what the full
+    path gives under that flag; with the flag off that meets fp32's bound against float64, with it on tf32 ran
+    (the error shows it) and the forward meets tf32's bound."""
+    from tilefuse.kernels import fastpath
+
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 256, 64, generator=g).cuda() for _ in range(3))
     dout = torch.randn(1, 2, 256, 64, generator=g).cuda()
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
     want = ref.attend(*ref_in, None, 64 ** -0.5, 0, -1, -1)[0]
     want.backward(dout.double())
+
+    def call():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
     before = torch.backends.cuda.matmul.allow_tf32
     try:
-        for allow in (False, True, False, True):
+        full = {}
+        for allow in (False, True):
             torch.backends.cuda.matmul.allow_tf32 = allow
-            for _ in range(2):  # the second call of each setting takes the fast path's plan
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                out = attention(*leaves)
-                out.backward(dout)
-                errs = [float((a.double() - b).norm() / b.norm()) for a, b in
-                        [(out, want)] + [(t.grad, r.grad) for t, r in zip(leaves, ref_in)]]
-                if allow:
-                    assert max(errs) <= 1e-3 and errs[0] > 2e-5, (allow, errs)
-                else:
-                    assert max(errs) <= REL_L2_BOUND[torch.float32], (allow, errs)
+            fastpath.clear_all()
+            full[allow] = call()
+        for allow in (False, True, False, True):  # plans of both precisions warm from here on
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            got = call()
+            assert all(torch.equal(a, b) for a, b in zip(got, full[allow])), f"allow_tf32={allow} replayed another plan"
+        errs = {allow: [float((a.double() - b).norm() / b.norm()) for a, b in
+                        zip(full[allow], [want] + [r.grad for r in ref_in])] for allow in (False, True)}
+        assert max(errs[False]) <= REL_L2_BOUND[torch.float32], errs
+        assert errs[True][0] <= 1e-3 and min(errs[True]) > 2e-5, errs
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before

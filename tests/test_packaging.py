@@ -210,8 +210,9 @@ def test_a_kernel_call_in_the_interpreter_names_the_numpy_it_cannot_use(monkeypa
     monkeypatch.setattr(runtime, "numpy_version", lambda: "2.4.0")
     with pytest.raises(runtime.InterpreterNumpyError, match=r"needs numpy < 2.4 \(you have numpy 2.4.0\)"):
         tilefuse.softmax(torch.randn(4, 8), -1)
-    monkeypatch.setattr(runtime, "numpy_version", lambda: "2.3.5")
-    assert torch.allclose(tilefuse.softmax(torch.randn(4, 8), -1).sum(-1), torch.ones(4))
+    if not torch.cuda.is_available():  # on a GPU machine triton was imported compiled: no interpreter to run
+        monkeypatch.setattr(runtime, "numpy_version", lambda: "2.3.5")
+        assert torch.allclose(tilefuse.softmax(torch.randn(4, 8), -1).sum(-1), torch.ones(4))
 
 
 def test_make_sets_up_the_venv_again_only_when_its_inputs_change(tmp_path):
