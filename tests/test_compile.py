@@ -218,6 +218,23 @@ def test_compiled_gradients_match_eager(device, case, dynamic, monkeypatch):
             assert_close(g, w, BOUND, f"{case} n={n} d(input {j}) compiled vs eager")
 
 
+def test_the_first_compiled_call_of_a_process_is_not_recompiled_for_a_new_shape(device, monkeypatch):
+    """The ops look up torch's DTensor class lazily and cache it in a module global: a compiled function must not
+    depend on that global (dynamo guarded on it, so a dynamic compile made before the first lookup recompiled
+    once the eager call between set it)."""
+    from tilefuse.ops import _dtensor
+
+    monkeypatch.setattr(_dtensor, "_DTENSOR", None)  # as in a fresh process
+    make, fn, _ = CASES["rms_norm"]
+    cfn, counter = _compile(fn, dynamic=True)
+    for i, n in enumerate(SIZES):
+        args = make(n, device, torch.Generator().manual_seed(40 + i))
+        with torch.no_grad():
+            got = cfn(*args)
+            assert_close(got, fn(*args), BOUND, f"rms_norm n={n} compiled vs eager")
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for two shapes under dynamic=True"
+
+
 # ---- GPU only: CUDA graphs -------------------------------------------------------------------------
 BF16 = torch.bfloat16
 

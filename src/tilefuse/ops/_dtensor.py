@@ -17,25 +17,31 @@ import torch
 
 
 _DTENSOR = None  # the DTensor class once looked up (False: torch has no distributed package)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def any_dtensor(*tensors) -> bool:
-    """Whether any argument (or a member of a tuple argument) is a DTensor: a few isinstance checks on the
-    hot path of every call."""
+def _dtensor_class():
     global _DTENSOR
     if _DTENSOR is None:
         try:
             from torch.distributed.tensor import DTensor as _DTENSOR
         except ImportError:  # torch built without distributed
             _DTENSOR = False
-    if _DTENSOR is False:
-        return False
+    return _DTENSOR
+
+
+def any_dtensor(*tensors) -> bool:
+    """Whether any argument (or a member of a tuple argument) is a DTensor: a few type checks on the hot path of
+    every call. Plain tensors are answered without the DTensor class, so a call traced by torch.compile neither
+    looks the class up nor sets the module global that caches it (a guard on that global would recompile the
+    function once the global is set)."""
     for t in tensors:
-        if isinstance(t, (tuple, list)):
-            if any(isinstance(u, _DTENSOR) for u in t):
+        for u in (t if isinstance(t, (tuple, list)) else (t,)):
+            if u is None or type(u) in _PLAIN or not isinstance(u, torch.Tensor):
+                continue
+            cls = _dtensor_class()
+            if cls is not False and isinstance(u, cls):
                 return True
-        elif isinstance(t, _DTENSOR):
-            return True
     return False
 
 
