@@ -3,8 +3,8 @@
 # - The venv sees the system's site-packages, so a CUDA torch/triton a GPU user already has is used
 #   as is and never replaced; only when no torch is installed is the pinned CPU build installed.
 # - Without a GPU the kernels run in the Triton interpreter, which breaks on numpy >= 2.4: pin it then.
-# - What is missing goes in one pip call without byte-compiling (Python compiles what it imports, once):
-#   on a fresh CPU machine that is about half the time of one call per package.
+# - What is missing goes in one pip call (pip byte-compiles at install: with PYTHONDONTWRITEBYTECODE set, as on
+#   CI, nothing would write .pyc files later, and every process would compile torch's sources again).
 set -euo pipefail
 VENV=${1:-.venv}
 PY=${PYTHON:-python3}
@@ -32,5 +32,5 @@ WANT=()
 [ "$HAS_TRITON" = 1 ] || WANT+=("triton==3.6.0")
 [ "$HAS_GPU" = 1 ] || WANT+=("numpy<2.4")
 WANT+=(pytest pytest-xdist hypothesis matplotlib rich "transformers==5.17.0")
-"$V" -m pip install -q --disable-pip-version-check --no-compile "${WANT[@]}"
+"$V" -m pip install -q --disable-pip-version-check "${WANT[@]}"
 "$V" -m pip install -q --disable-pip-version-check --no-compile --no-deps -e .
