@@ -280,9 +280,9 @@ def test_warp_specialized_attention_backward_compiles(which, head_dim, causal):
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
 
 
-@pytest.mark.parametrize("kernel,slope,gated", [
-    ("grad_input_kernel", True, False), ("grad_input_kernel", True, True), ("grad_input_kernel", False, False),
-    ("grad_weight_kernel", True, False), ("grad_weight_kernel", False, False)])
+@pytest.mark.parametrize("kernel,slope,gated", representative([
+    ("grad_input_kernel", True, True), ("grad_weight_kernel", True, False), ("grad_input_kernel", True, False),
+    ("grad_input_kernel", False, False), ("grad_weight_kernel", False, False)], keep=2))
 def test_backward_gemms_compile_to_wgmma_and_fit(kernel, slope, gated):
     """The backward GEMMs (g = dy * slope made in the operand loads) on the first config the prune keeps for
     bf16: they must compile for sm_90a, feed wgmma, fit the shared memory the model allows and not spill
@@ -313,8 +313,10 @@ def test_backward_gemms_compile_to_wgmma_and_fit(kernel, slope, gated):
     assert facts["spill_store_bytes"] == 0, facts
 
 
-@pytest.mark.parametrize("d", [64, 80, 128, 256])
-@pytest.mark.parametrize("kernel", ["attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"])
+@pytest.mark.parametrize("kernel,d", representative([
+    ("attention_bwd_dkdv_kernel", 128), ("attention_bwd_dq_kernel", 256), ("attention_bwd_dkdv_kernel", 80),
+    ("attention_bwd_dkdv_kernel", 64), ("attention_bwd_dkdv_kernel", 256), ("attention_bwd_dq_kernel", 64),
+    ("attention_bwd_dq_kernel", 80), ("attention_bwd_dq_kernel", 128)], keep=3))
 def test_attention_backward_compiles_for_sm90(kernel, d):
     """The attention backward kernels on the tiles the launch layer gives them (launch.backward_config):
     they compile for sm_90a, fit shared memory, and feed wgmma where the tiles have 64 rows (d <= 128)."""
@@ -383,9 +385,9 @@ def test_qkv_projection_compiles_to_wgmma(rope, norm):
     assert facts["wgmma"], facts
 
 
-@pytest.mark.parametrize("d,rope,norm,interleaved", [(64, True, False, False), (128, False, False, False),
-                                                     (128, True, False, False), (128, True, True, False),
-                                                     (128, True, False, True), (256, True, True, False)])
+@pytest.mark.parametrize("d,rope,norm,interleaved", representative([
+    (128, True, True, False), (256, True, True, False), (64, True, False, False), (128, False, False, False),
+    (128, True, False, False), (128, True, False, True)], keep=2))
 def test_qkv_projection_head_kernel_compiles_without_spills(d, rope, norm, interleaved):
     """The one-loop QKV kernel (the head's d columns in one accumulator, the RoPE pairs split in registers), as
     launch.qkv_projection launches it (4 warps, 8 at d 256; 3 stages; 64 rows): wgmma, no spill, 16-byte tile
@@ -402,9 +404,9 @@ def test_qkv_projection_head_kernel_compiles_without_spills(d, rope, norm, inter
     assert facts["scalar_16bit_loads"] <= 2, facts  # the 1-D bias and norm-weight vectors at most (tiles: 16 B)
 
 
-@pytest.mark.parametrize("d,rope,norm,w_kn", [(64, True, False, True), (128, False, False, False),
-                                              (128, True, True, False), (128, True, False, True),
-                                              (256, True, True, False)])
+@pytest.mark.parametrize("d,rope,norm,w_kn", representative([
+    (128, True, True, False), (64, True, False, True), (128, False, False, False), (128, True, False, True),
+    (256, True, True, False)], keep=2))
 def test_qkv_projection_tma_kernel_compiles_to_wgmma_without_spills(d, rope, norm, w_kn):
     """The Hopper QKV kernel at the tiles launch.QKV_TMA_TILES gives each head dim and epilogue, in nn.Linear's
     weight layout and Conv1D's transposed one: wgmma fed from shared memory (TMA tiles), no spill with the
@@ -432,8 +434,9 @@ def _qkv_tma_compiles_spill_free(kernel: str, consts: dict, warps: int, stages: 
     return facts
 
 
-@pytest.mark.parametrize("d,r,norm,w_kn", [(96, 96, True, False), (80, 32, False, True), (192, 0, False, False),
-                                           (160, 160, True, False), (128, 32, True, False)])
+@pytest.mark.parametrize("d,r,norm,w_kn", representative([
+    (96, 96, True, False), (80, 32, False, True), (192, 0, False, False), (160, 160, True, False),
+    (128, 32, True, False)], keep=2))
 def test_qkv_projection_tma_parts_kernel_compiles_to_wgmma_without_spills(d, r, norm, w_kn):
     """The Hopper QKV kernel's parts form (launch.qkv_tma_parts_tile) for the head dims the whole-head form does
     not take and for partial rotary: wgmma from shared memory, no spill, within the H200's shared memory (d and
@@ -464,8 +467,8 @@ def test_hopper_grad_weight_compiles_to_wgmma_without_spills(flags):
     assert facts["shared"] <= 227 * 1024, facts
 
 
-@pytest.mark.parametrize("kernel", ["qkv", "lce_forward"])
-@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("kernel,precision", representative([
+    ("qkv", "ieee"), ("lce_forward", "tf32"), ("qkv", "tf32"), ("lce_forward", "ieee")], keep=2))
 def test_fp32_gemm_kernels_honour_the_input_precision(kernel, precision):
     """fp32 operands run full-precision FMA dots unless torch allows TF32 (launch.precision_for): a tl.dot
     left at its default precision rounds fp32 operands to TF32, which on the H200 put the fp32 QKV rows at
