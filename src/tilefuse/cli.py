@@ -22,8 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="accuracy, speed, HBM bytes and roofline for every op on this device")
     r.add_argument("--ops", nargs="+", metavar="NAME", help="registry op names (default: all)")
     r.add_argument("--quick", action="store_true",
-                   help="the first benchmark row per op, 3 seeds per accuracy case, and no anchor that compiles "
-                   "(torch.compile, FlexAttention) unless --anchors names it")
+                   help="the first benchmark row and the first two accuracy cases per op, 3 seeds each, and no "
+                   "anchor that compiles (torch.compile, FlexAttention) unless --anchors names it")
     r.add_argument("--seeds", type=int, default=None, help="seeds per accuracy case (default 20 on GPU, 3 on CPU)")
     r.add_argument("--out", default="report", help="output folder (default: ./report)")
     r.add_argument("--anchors", nargs="+", metavar="REGEX",

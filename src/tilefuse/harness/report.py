@@ -10,6 +10,7 @@ import json
 import math
 import platform
 import re
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -228,8 +229,6 @@ class _Progress:
     SEED, ROW, ANCHOR = 1.0, 8.0, 4.0  # relative weights: one accuracy seed, a row's own timings, each anchor
 
     def __init__(self, total: float, ops: int, bar: bool):
-        import sys
-
         self.total, self.done, self.ops, self.op_index = max(total, 1e-9), 0.0, ops, 0
         self.start = time.perf_counter()
         self.stream = sys.stderr
@@ -301,12 +300,11 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     result["ceilings_seconds"] = round(time.perf_counter() - ceilings_started, 1)
 
     def row_weight(spec, params):
-        if not on_gpu:
-            return 0.0
         names = [n for n in spec.anchors(params) if _anchor_runs(n, anchor_filter, skipped)]
         return _Progress.ROW + _Progress.ANCHOR * len(names)
+    row_weights = {s.name: [row_weight(s, p) if on_gpu else 0.0 for p in bench_plan[s.name]] for s in specs}
     total = sum(len(accuracy_cases(s, quick)) * seeds * _Progress.SEED for s in specs)
-    total += sum(row_weight(s, p) for s in specs for p in bench_plan[s.name])
+    total += sum(sum(w) for w in row_weights.values())
     started = time.perf_counter()
     with _Progress(total, len(specs), show_progress) as progress:
         for spec in specs:
@@ -319,13 +317,13 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
             entry["accuracy_seconds"] = round(time.perf_counter() - op_started, 1)
             result["ops"][spec.name] = entry
             _write(result, out)
-            for params in bench_plan[spec.name]:
+            for params, weight in zip(bench_plan[spec.name], row_weights[spec.name]):
                 progress.case(spec.name, spec.label(params))
                 if on_gpu:
                     row_started = time.perf_counter()
                     entry["speed"].append(speed_for_case(spec, params, result["ceilings"], anchor_filter, skipped))
                     entry["speed"][-1]["seconds"] = round(time.perf_counter() - row_started, 1)
-                    progress.advance(row_weight(spec, params))
+                    progress.advance(weight)
                     _write(result, out)  # after every row, so a run cut short still leaves its results
                 else:  # the byte model still holds; times do not
                     entry["speed"].append({"case": spec.label(params),

@@ -65,16 +65,16 @@ def skip_repatching_in_helpers() -> None:
     from triton.runtime import interpreter
 
     state = threading.local()  # .patched: ids of the language modules patched in the running launch, or None
-    langs_of: dict = {}  # id(fn) -> ids of the language modules in its globals
+    langs_of: dict = {}  # jit function -> ids of the language modules in its globals
     launch_call = interpreter.GridExecutor.__call__
     helper_call = interpreter.InterpretedFunction.__call__
 
     def langs(fn):
-        key = id(fn)
-        if key not in langs_of:
-            langs_of[key] = frozenset(id(v) for v in fn.__globals__.values()
-                                      if inspect.ismodule(v) and v in (tl, tl.core))
-        return langs_of[key]
+        found = langs_of.get(fn)
+        if found is None:
+            found = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                             if inspect.ismodule(v) and v in (tl, tl.core))
+        return found
 
     def launch(self, *args, **kwargs):
         outer = getattr(state, "patched", None)

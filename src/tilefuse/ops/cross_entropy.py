@@ -19,10 +19,11 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def _no_autocast(fn):
-    """``fn`` with autocast off on every device: the reference computes in fp32 as the kernels do (under CPU
-    autocast, F.linear would otherwise run in bf16 and the loss come back bf16)."""
+    """``fn`` with autocast off on its tensors' device: the reference computes in fp32 as the kernels do (under
+    CPU autocast, F.linear would otherwise run in bf16 and the loss come back bf16)."""
     def run(*args):
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        with torch.autocast(device, enabled=False):
             return fn(*args)
     return run
 
