@@ -1,6 +1,7 @@
 """The CLI and the report on this device (on a CPU: interpreter accuracy, no timing)."""
 import json
 
+import pytest
 import torch
 
 from tilefuse.harness.report import run_report
@@ -129,3 +130,25 @@ def test_quick_report_names_each_op_with_the_time_left_and_skips_compiling_ancho
     assert not report._anchor_runs("flex_attention", None, skipped)
     assert report._anchor_runs("sdpa cudnn", None, skipped) and report._anchor_runs("liger", None, skipped)
     assert report._anchor_runs("torch.compile", ["torch.compile"], skipped)  # --anchors overrides --quick
+
+
+def test_report_jobs_run_accuracy_in_workers_with_the_same_results(tmp_path, capsys):
+    """--jobs 2: two spawned processes run the accuracy cases (and, on a GPU, each row's first call);
+    their rows are the in-process run's, and the progress names each op as its worker finishes."""
+    from tilefuse.harness import report
+
+    ops = ["softmax", "rms_norm"]
+    pooled = run_report(ops=ops, quick=True, seeds=1, out_dir=tmp_path / "pool", show_progress=False, jobs=2)
+    err = capsys.readouterr().err
+    assert "in 2 worker processes" in err
+    assert sorted(line.split("] ")[1].split(":")[0] for line in err.splitlines()
+                  if "accuracy done in a worker" in line) == sorted(ops)
+    alone = run_report(ops=ops, quick=True, seeds=1, out_dir=tmp_path / "alone", show_progress=False, jobs=1)
+    assert pooled["jobs"] == 2 and alone["jobs"] == 1
+    for name in ops:
+        assert pooled["ops"][name]["accuracy"] == alone["ops"][name]["accuracy"]
+        assert len(pooled["ops"][name]["speed"]) == report.QUICK_ROWS
+    assert "worker processes before any timing" in (tmp_path / "pool" / "REPORT.md").read_text()
+    assert "worker processes" not in (tmp_path / "alone" / "REPORT.md").read_text()
+    with pytest.raises(report.ReportArgumentError, match="jobs must be at least 1"):
+        run_report(ops=ops, quick=True, out_dir=tmp_path / "bad", show_progress=False, jobs=0)

@@ -297,6 +297,21 @@ def test_pinned_uses_first_pruned_config_without_tables_or_benchmark(tables, mon
     assert tuning.tuning_record("tiny")[0]["source"].startswith("pinned")
 
 
+def test_untuned_keys_run_first_pruned_config_and_stored_ones_still_apply(tables, monkeypatch):
+    store(tuning.user_cache_path(SLUG, "tiny"), user_table({KEY_TEXT: entry_for(SPACE[2])}))
+    monkeypatch.setattr(autotuner, "_tune_missing_keys", True)
+    tuning.tune_missing_keys(False)
+    tuner = make_tuner(monkeypatch, prune=lambda configs, named, **kw: configs[1:])
+    assert launch(tuner)["BLOCK"] == 256  # a stored key: its table's config
+    assert launch(tuner, n=1000)["BLOCK"] == 128  # a key no table has: the first pruned config
+    assert tuner.benched == []
+    sources = {r["key"]: r["source"] for r in tuning.tuning_record("tiny")}
+    assert sources[KEY_TEXT] == "user cache"
+    assert sources["M_BUCKET=1024 N=1000 ACTIVATION='gelu' dtypes=float16,float32"] == autotuner.UNTUNED_SOURCE
+    entries = json.loads(tuning.user_cache_path(SLUG, "tiny").read_text())["entries"]
+    assert set(entries) == {KEY_TEXT}  # nothing written for the untuned key
+
+
 def test_stored_config_that_fails_to_compile_is_dropped_and_key_tuned(tables, monkeypatch):
     store(tuning.user_cache_path(SLUG, "tiny"), user_table({KEY_TEXT: entry_for(SPACE[2])}))
     tuner = make_tuner(monkeypatch, fail_for=256)

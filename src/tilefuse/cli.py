@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--retune", action="store_true",
                    help="ignore configs in the user cache and the shipped table: tune every key in this run, "
                    "so each row's config is measured against the whole current space")
+    r.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="worker processes that run the accuracy cases and each row's first (compiling) call "
+                   "before the timing, which runs alone (default on a GPU: half the cores, at most 8; on a "
+                   "CPU 1; 1 runs everything in this process)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     t = sub.add_parser("tune", help="autotune the kernels behind ops on this GPU and store the winners")
     t.add_argument("--ops", nargs="+", metavar="NAME", help="registry op names (default: all)")
@@ -212,7 +216,7 @@ def cmd_report(args) -> int:
     try:
         result = report.run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
                                    anchor_filter=args.anchors, show_progress=not args.no_progress,
-                                   dtypes=args.dtype, case_filter=args.cases)
+                                   dtypes=args.dtype, case_filter=args.cases, jobs=args.jobs)
     except report.ReportArgumentError as exc:
         print(f"tilefuse report: {exc}", file=sys.stderr)
         return 2

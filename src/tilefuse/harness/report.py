@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
 import platform
 import re
 import sys
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -131,16 +134,19 @@ def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, sk
             row["ms"] = None
             return row
         row["ms"] = bench_ms(lambda: spec.fused(**inputs))
-        row["host_us"] = host_us(lambda: spec.fused(**inputs))
+        # A slow call needs fewer repetitions for a stable host time and GPU-only time (each host round
+        # waits for the GPU to drain the previous one): about 0.1 s and 0.5 s of GPU work per row.
+        calls, reps = _repetitions(row["ms"])
+        row["host_us"] = host_us(lambda: spec.fused(**inputs), calls=calls)
         # Backward rows replay autograd.grad, whose kernels the autograd engine issues on the forward's
         # stream, not the capturing one: capturing them would fail (and may poison the context). Their
         # GPU-only time is the spec's "kernels_only" callable: the backward's own code, no engine.
         if "kernels_only" in spec.extra:
-            row["graph_ms"] = graph_ms(lambda: spec.extra["kernels_only"](**inputs))
+            row["graph_ms"] = graph_ms(lambda: spec.extra["kernels_only"](**inputs), reps=reps)
         elif "graph_cache" in inputs:
             row["graph_ms"] = "not captured (autograd)"
         else:
-            row["graph_ms"] = graph_ms(lambda: spec.fused(**inputs))
+            row["graph_ms"] = graph_ms(lambda: spec.fused(**inputs), reps=reps)
         with launches.recording() as recs:
             spec.fused(**inputs)  # what runs once tuned (the first call may have tuned)
         row["config"] = describe_launches(recs)
@@ -157,6 +163,69 @@ def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, sk
     row["speedup"] = {k: (v / ms if isinstance(v, float) else None) for k, v in timings.items()}
     row["roofline_pct"] = _roofline_pct(spec, params, row, ceilings)
     return row
+
+
+def _repetitions(ms: float) -> tuple[int, int]:
+    """(host_us calls per round, graph_ms replays) for a call of ``ms`` milliseconds: 20 and 50 up to 5
+    and 10 ms, then about 100 ms and 500 ms of GPU work, never fewer than 3 calls or 5 replays."""
+    calls = 20 if ms < 5 else max(3, int(100 / ms))
+    reps = 50 if ms < 10 else max(5, int(500 / ms))
+    return calls, reps
+
+
+def warm_row(spec: OpSpec, params: dict, anchor_filter, skipped=()) -> None:
+    """One untimed call of a benchmark row's fused op and of each anchor that runs, so that the kernels
+    they compile (Triton's, Inductor's) are in the disk caches before the row is timed. An anchor that
+    fails here is left to the timing, which reports it."""
+    inputs = spec.make_inputs(params, _device(), 0)
+    with torch.no_grad():
+        spec.fused(**inputs)
+        if "kernels_only" in spec.extra:
+            spec.extra["kernels_only"](**inputs)
+        torch._dynamo.reset()
+        for name, fn in spec.anchors(params).items():
+            if _anchor_runs(name, anchor_filter, skipped):
+                try:
+                    fn(**inputs)
+                except Exception:  # noqa: BLE001 - the timed run reports it in the row
+                    pass
+    torch.cuda.synchronize()
+
+
+def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anchor_filter, skipped) -> dict:
+    """What a ``--jobs`` worker process does for one op before any timing: its accuracy cases, then
+    :func:`warm_row` for each benchmark row it will time (GPU only). A kernel key with no stored config runs its first
+    config untuned (:func:`tuning.tune_missing_keys`): workers share the GPU, so their timings would
+    measure each other. Returns the accuracy rows and the configs they used."""
+    tuning.tune_missing_keys(False)
+    if torch.cuda.is_available():  # Inductor's compile pool per worker: the workers already fill the cores
+        import torch._inductor.config as inductor_config
+        inductor_config.compile_threads = 2
+    spec = registry.get(name)
+    before = _record_keys()
+    started = time.perf_counter()
+    accuracy = accuracy_for_op(spec, seeds, None, quick)
+    accuracy_seconds = time.perf_counter() - started
+    warm_notes = []
+    if torch.cuda.is_available():
+        for i in bench_indices:
+            try:
+                warm_row(spec, spec.bench_cases[i], anchor_filter, skipped)
+            except torch.OutOfMemoryError:  # other workers hold memory too: the timing process compiles it
+                warm_notes.append(spec.label(spec.bench_cases[i]))
+            torch.cuda.empty_cache()
+    return {"accuracy": accuracy, "accuracy_seconds": round(accuracy_seconds, 1),
+            "prepare_seconds": round(time.perf_counter() - started, 1), "not_warmed": warm_notes,
+            "tuning": [r for r in tuning.tuning_records() if (r["kernel"], r["key"]) not in before]}
+
+
+def default_jobs(n_ops: int) -> int:
+    """Worker processes for ``tilefuse report`` by default: on a GPU half the cores, at most 8 (each
+    holds a CUDA context and compiles on one core); on a CPU 1 (the interpreter is the work, and the
+    machine's cores are few)."""
+    if not torch.cuda.is_available():
+        return 1
+    return max(1, min(8, (os.cpu_count() or 2) // 2, n_ops))
 
 
 def describe_launches(records) -> str:
@@ -261,6 +330,12 @@ class _Progress:
         else:
             print(f"tilefuse report {line}", file=self.stream, flush=True)
 
+    def note(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+        else:
+            print(f"tilefuse report: {text}", file=self.stream, flush=True)
+
     def case(self, name: str, what: str) -> None:
         if self.bar is not None:
             self.bar.update(self.task, description=f"[{self.op_index}/{self.ops}] {name}: {what} ({self.left_text()})")
@@ -277,24 +352,34 @@ def _clock(seconds: float) -> str:
 
 
 def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filter=None,
-               show_progress=True, dtypes=None, case_filter=None) -> dict:
+               show_progress=True, dtypes=None, case_filter=None, jobs=None) -> dict:
+    """Every selected op's accuracy, then its benchmark rows. With ``jobs`` above 1 (a GPU's default, see
+    :func:`default_jobs`) a pool of that many processes first runs each op's accuracy cases and the first,
+    compiling call of its rows (:func:`prepare_op`); the rows are then timed here, one at a time, with
+    the pool gone, so no timing shares the GPU."""
     on_gpu = torch.cuda.is_available()
     seeds = seeds or (QUICK_SEEDS if quick else 20 if on_gpu else 3)
     specs = [registry.get(n) for n in ops] if ops else list(registry.REGISTRY.values())
+    jobs = default_jobs(len(specs)) if jobs is None else jobs
+    if jobs < 1:
+        raise ReportArgumentError(f"jobs must be at least 1, got {jobs}")
+    jobs = min(jobs, len(specs))
 
     def selected(spec, params):
         return ((dtypes is None or dtype_name(params["dtype"]) in dtypes)
                 and (not case_filter or any(re.search(f, spec.label(params)) for f in case_filter)))
 
-    bench_plan = {s.name: [p for p in s.bench_cases if selected(s, p)] for s in specs}
-    check_anchor_filter(anchor_filter, specs, bench_plan)
+    bench_index = {s.name: [i for i, p in enumerate(s.bench_cases) if selected(s, p)] for s in specs}
+    check_anchor_filter(anchor_filter, specs, {s.name: [s.bench_cases[i] for i in bench_index[s.name]]
+                                               for s in specs})
     if quick:
-        bench_plan = {name: cases[:QUICK_ROWS] for name, cases in bench_plan.items()}
+        bench_index = {name: cases[:QUICK_ROWS] for name, cases in bench_index.items()}
+    bench_plan = {s.name: [s.bench_cases[i] for i in bench_index[s.name]] for s in specs}
     skipped = () if anchor_filter or not quick else QUICK_SKIPPED_ANCHORS
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {},
-              "anchors_skipped": list(skipped)}
+              "anchors_skipped": list(skipped), "jobs": jobs}
     ceilings_started = time.perf_counter()
     result["ceilings"] = measure_ceilings() if on_gpu else {}
     result["ceilings_seconds"] = round(time.perf_counter() - ceilings_started, 1)
@@ -303,18 +388,46 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
         names = [n for n in spec.anchors(params) if _anchor_runs(n, anchor_filter, skipped)]
         return _Progress.ROW + _Progress.ANCHOR * len(names)
     row_weights = {s.name: [row_weight(s, p) if on_gpu else 0.0 for p in bench_plan[s.name]] for s in specs}
-    total = sum(len(accuracy_cases(s, quick)) * seeds * _Progress.SEED for s in specs)
-    total += sum(sum(w) for w in row_weights.values())
+    accuracy_weight = {s.name: len(accuracy_cases(s, quick)) * seeds * _Progress.SEED for s in specs}
     started = time.perf_counter()
+    prepared = {}
+    if jobs > 1:
+        with _Progress(sum(accuracy_weight.values()), len(specs), show_progress) as progress:
+            progress.note(f"accuracy and each row's first call of {len(specs)} ops in {jobs} worker processes")
+            context = multiprocessing.get_context("spawn")  # a CUDA context does not survive fork
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+                pending = {pool.submit(prepare_op, s.name, quick, seeds, bench_index[s.name], anchor_filter,
+                                       skipped): s.name for s in specs}
+                for future in as_completed(pending):
+                    name = pending[future]
+                    prepared[name] = future.result()
+                    progress.advance(accuracy_weight[name])
+                    running = [n for f, n in pending.items() if not f.done()]
+                    progress.op(name, f"accuracy done in a worker ({prepared[name]['prepare_seconds']}s)"
+                                + (f"; still running: {', '.join(running[:jobs])}" if running else ""))
+        result["prepare_seconds"] = round(time.perf_counter() - started, 1)
+    total = sum(sum(w) for w in row_weights.values())
+    if not prepared:
+        total += sum(accuracy_weight.values())
     with _Progress(total, len(specs), show_progress) as progress:
         for spec in specs:
             records_before = _record_keys()
             op_started = time.perf_counter()
-            progress.op(spec.name, f"{len(accuracy_cases(spec, quick))} accuracy cases x {seeds} seeds, "
-                                   f"{len(bench_plan[spec.name]) if on_gpu else 0} benchmark rows")
-            entry = {"summary": spec.summary, "bound": spec.bound,
-                     "accuracy": accuracy_for_op(spec, seeds, progress, quick), "speed": []}
-            entry["accuracy_seconds"] = round(time.perf_counter() - op_started, 1)
+            rows = len(bench_plan[spec.name]) if on_gpu else 0
+            if spec.name in prepared:
+                ready = prepared[spec.name]
+                progress.op(spec.name, f"timing {rows} benchmark rows")
+                entry = {"summary": spec.summary, "bound": spec.bound, "accuracy": ready["accuracy"],
+                         "speed": [], "accuracy_seconds": ready["accuracy_seconds"],
+                         "prepare_seconds": ready["prepare_seconds"], "not_warmed": ready["not_warmed"]}
+                worker_tuning = ready["tuning"]
+            else:
+                progress.op(spec.name, f"{len(accuracy_cases(spec, quick))} accuracy cases x {seeds} seeds, "
+                                       f"{rows} benchmark rows")
+                entry = {"summary": spec.summary, "bound": spec.bound,
+                         "accuracy": accuracy_for_op(spec, seeds, progress, quick), "speed": []}
+                entry["accuracy_seconds"] = round(time.perf_counter() - op_started, 1)
+                worker_tuning = []
             result["ops"][spec.name] = entry
             _write(result, out)
             for params, weight in zip(bench_plan[spec.name], row_weights[spec.name]):
@@ -330,8 +443,9 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
                                            "dtype": dtype_name(params["dtype"]),
                                            "flops": spec.flops(params), "hbm_bytes": spec.hbm_bytes(params),
                                            "ms": None})
-            entry["tuning"] = [r for r in tuning.tuning_records()
-                               if (r["kernel"], r["key"]) not in records_before]
+            here = [r for r in tuning.tuning_records() if (r["kernel"], r["key"]) not in records_before]
+            seen = {(r["kernel"], r["key"]) for r in here}
+            entry["tuning"] = [r for r in worker_tuning if (r["kernel"], r["key"]) not in seen] + here
             entry["plots"] = plots.write_op_plots(spec.name, entry, out)
             entry["seconds"] = round(time.perf_counter() - op_started, 1)
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -376,6 +490,11 @@ def render_markdown(result: dict) -> str:
     lines += ["",
              f"{env['device']} · path `{env['path']}` · torch {env['torch']} · triton {env['triton']} · "
              f"python {env['python']} · {env['time_utc']} UTC · {result['seeds']} seeds per accuracy case", ""]
+    if result.get("jobs", 1) > 1:
+        lines += [f"Accuracy cases and the first (compiling) call of every benchmark row ran in {result['jobs']} "
+                  "worker processes before any timing; there a kernel key with no stored config ran its first "
+                  f"config untuned (source \"{tuning.autotuner.UNTUNED_SOURCE}\" in the configs tables). Every "
+                  "time below was measured afterwards in one process, with the workers gone.", ""]
     if on_gpu:
         lines += ["## Ceilings measured in this run", "",
                   "| copy TB/s (read+write) | read-only TB/s | GEMM bf16 TFLOP/s | GEMM fp16 TFLOP/s | GEMM fp32 TFLOP/s |",

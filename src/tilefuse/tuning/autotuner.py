@@ -28,7 +28,8 @@ used; one whose parameter *names* differ from the space's is ignored with a warn
 longer compiles on this GPU is dropped with a warning and the key is tuned). A corrupt or partial
 file is ignored with a warning naming it. Writers take a lock file and replace the table atomically
 (temp file + ``os.replace``), so concurrent processes neither tear a file nor lose each other's keys.
-``TILEFUSE_AUTOTUNE=0`` pins every kernel to its first (pruned) config: no tables, no benchmarking.
+``TILEFUSE_AUTOTUNE=0`` pins every kernel to its first (pruned) config: no tables, no benchmarking;
+:func:`tune_missing_keys` (False) keeps the tables but runs a key they lack on its first config untuned.
 :func:`tuning_record` tells, per kernel, which config each key used, where it came from, and the
 timings of the configs it beat (for the report).
 
@@ -77,6 +78,18 @@ def use_stored_configs(enabled: bool) -> None:
     """False: ignore the user cache and shipped table (``tilefuse tune --retune``); winners are still written."""
     global _use_stored_configs
     _use_stored_configs = enabled
+
+
+_tune_missing_keys = True
+UNTUNED_SOURCE = "first config (not tuned)"
+
+
+def tune_missing_keys(enabled: bool) -> None:
+    """False: a key with no stored config runs its first (pruned) config, recorded with source
+    ``UNTUNED_SOURCE``: nothing is benchmarked and nothing written. For processes that share a GPU with
+    others (``tilefuse report``'s accuracy workers), whose timings would measure each other."""
+    global _tune_missing_keys
+    _tune_missing_keys = enabled
 
 
 def _value_text(v) -> str:
@@ -154,6 +167,10 @@ class TableAutotuner(Autotuner):
             if config is not None:
                 self._remember(key, text, config, source, path, entry)
                 return key, text, [config]
+        if not _tune_missing_keys:
+            config = self._pruned(args, kwargs)[0]
+            self._remember(key, text, config, UNTUNED_SOURCE, None, {"timings": []})
+            return key, text, [config]
         return key, text, list(self.configs)
 
     def _pruned(self, args, kwargs, also: triton.Config | None = None) -> list[triton.Config]:
