@@ -299,7 +299,8 @@ def test_pinned_uses_first_pruned_config_without_tables_or_benchmark(tables, mon
 
 def test_untuned_keys_run_first_pruned_config_and_stored_ones_still_apply(tables, monkeypatch):
     store(tuning.user_cache_path(SLUG, "tiny"), user_table({KEY_TEXT: entry_for(SPACE[2])}))
-    monkeypatch.setattr(autotuner, "_tune_missing_keys", True)
+    monkeypatch.setattr(autotuner, "_tune_missing_keys", True)  # both restored after the test
+    monkeypatch.setattr(autotuner, "_compile_missing_space", False)
     tuning.tune_missing_keys(False)
     tuner = make_tuner(monkeypatch, prune=lambda configs, named, **kw: configs[1:])
     assert launch(tuner)["BLOCK"] == 256  # a stored key: its table's config
@@ -310,6 +311,10 @@ def test_untuned_keys_run_first_pruned_config_and_stored_ones_still_apply(tables
     assert sources["M_BUCKET=1024 N=1000 ACTIVATION='gelu' dtypes=float16,float32"] == autotuner.UNTUNED_SOURCE
     entries = json.loads(tuning.user_cache_path(SLUG, "tiny").read_text())["entries"]
     assert set(entries) == {KEY_TEXT}  # nothing written for the untuned key
+    tuning.tune_missing_keys(False, compile_space=True)  # also compiles the rest of the space, runs none
+    tuner.fn.calls.clear()
+    assert launch(tuner, n=2000)["BLOCK"] == 128 and tuner.benched == []
+    assert [(c["BLOCK"], c.get("warmup", False)) for c in tuner.fn.calls] == [(256, True), (128, False)]
 
 
 def test_stored_config_that_fails_to_compile_is_dropped_and_key_tuned(tables, monkeypatch):

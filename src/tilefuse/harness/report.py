@@ -105,18 +105,36 @@ def _median(xs):
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
+class _StepClock:
+    """Seconds of each step of a benchmark row (GPU work included: it synchronizes), kept in the row
+    as ``step_seconds`` so a slow report shows where its time went."""
+
+    def __init__(self):
+        self.steps, self.last = {}, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.steps[name] = round(self.steps.get(name, 0.0) + now - self.last, 2)
+        self.last = now
+
+
 def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, skipped=()) -> dict:
     """One benchmark row: fused vs eager vs anchors, same inputs, same process."""
     device = _device()
+    step = _StepClock()
     inputs = spec.make_inputs(params, device, 0)
     flops = spec.flops(params)
     bytes_model = spec.hbm_bytes(params)
     row = {"case": spec.label(params), "dtype": dtype_name(params["dtype"]),
-           "flops": flops, "hbm_bytes": bytes_model}
+           "flops": flops, "hbm_bytes": bytes_model, "step_seconds": step.steps}
+    step("inputs")
     with torch.no_grad():
         with launches.recording() as recs, _quiet_interpreter_math():
             out = spec.fused(**inputs)
         row["config"] = describe_launches(recs)
+        step("first call")
         try:
             ref = spec.reference(**to_float64(inputs))
         except torch.OutOfMemoryError:  # e.g. attention's float64 scores at N 16k: this row's times still count
@@ -130,14 +148,17 @@ def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, sk
             row.update(rel_l2=st.rel_l2, max_abs=st.max_abs, bound=spec.tolerance(params),
                        accuracy_pass=st.ok(spec.tolerance(params)))
         del ref, out
+        step("float64 reference")
         if device.type != "cuda":
             row["ms"] = None
             return row
         row["ms"] = bench_ms(lambda: spec.fused(**inputs))
+        step("do_bench")
         # A slow call needs fewer repetitions for a stable host time and GPU-only time (each host round
         # waits for the GPU to drain the previous one): about 0.1 s and 0.5 s of GPU work per row.
         calls, reps = _repetitions(row["ms"])
         row["host_us"] = host_us(lambda: spec.fused(**inputs), calls=calls)
+        step("host time")
         # Backward rows replay autograd.grad, whose kernels the autograd engine issues on the forward's
         # stream, not the capturing one: capturing them would fail (and may poison the context). Their
         # GPU-only time is the spec's "kernels_only" callable: the backward's own code, no engine.
@@ -147,15 +168,18 @@ def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, sk
             row["graph_ms"] = "not captured (autograd)"
         else:
             row["graph_ms"] = graph_ms(lambda: spec.fused(**inputs), reps=reps)
+        step("CUDA graph")
         with launches.recording() as recs:
             spec.fused(**inputs)  # what runs once tuned (the first call may have tuned)
         row["config"] = describe_launches(recs)
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
+        step("eager unfused")
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
         for name, fn in spec.anchors(params).items():
             if not _anchor_runs(name, anchor_filter, skipped):
                 continue
             timings[name] = _safe_bench(lambda fn=fn: fn(**inputs))
+            step(name)
     ms = row["ms"]
     row["tflops"] = flops / (ms * 1e-3) / 1e12
     row["tbps"] = bytes_model["fused"] / (ms * 1e-3) / 1e12
@@ -196,7 +220,8 @@ def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anc
     """What a ``--jobs`` worker process does for one op before any timing: its accuracy cases, then
     :func:`warm_row` for each benchmark row it will time (GPU only). A kernel key with no stored config runs its first
     config untuned (:func:`tuning.tune_missing_keys`): workers share the GPU, so their timings would
-    measure each other. Returns the accuracy rows and the configs they used."""
+    measure each other; for a row's key it also compiles the rest of the space, which the timing process
+    then tunes from Triton's disk cache. Returns the accuracy rows and the configs they used."""
     tuning.tune_missing_keys(False)
     if torch.cuda.is_available():  # Inductor's compile pool per worker: the workers already fill the cores
         import torch._inductor.config as inductor_config
@@ -208,6 +233,8 @@ def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anc
     accuracy_seconds = time.perf_counter() - started
     warm_notes = []
     if torch.cuda.is_available():
+        # A row's key that no table has is tuned by the timing process: compile its whole space here.
+        tuning.tune_missing_keys(False, compile_space=True)
         for i in bench_indices:
             try:
                 warm_row(spec, spec.bench_cases[i], anchor_filter, skipped)
@@ -220,12 +247,13 @@ def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anc
 
 
 def default_jobs(n_ops: int) -> int:
-    """Worker processes for ``tilefuse report`` by default: on a GPU half the cores, at most 8 (each
-    holds a CUDA context and compiles on one core); on a CPU 1 (the interpreter is the work, and the
-    machine's cores are few)."""
+    """Worker processes for ``tilefuse report`` by default: on a GPU one per op, up to the cores plus
+    two and at most 20 (a worker spends most of its time compiling on one core, and the op that
+    compiles the most bounds the phase, so every op starts at once where the cores allow); on a CPU 1
+    (the interpreter is the work, and the machine's cores are few)."""
     if not torch.cuda.is_available():
         return 1
-    return max(1, min(8, (os.cpu_count() or 2) // 2, n_ops))
+    return max(1, min(n_ops, (os.cpu_count() or 2) + 2, 20))
 
 
 def describe_launches(records) -> str:

@@ -81,15 +81,18 @@ def use_stored_configs(enabled: bool) -> None:
 
 
 _tune_missing_keys = True
+_compile_missing_space = False
 UNTUNED_SOURCE = "first config (not tuned)"
 
 
-def tune_missing_keys(enabled: bool) -> None:
+def tune_missing_keys(enabled: bool, compile_space: bool = False) -> None:
     """False: a key with no stored config runs its first (pruned) config, recorded with source
     ``UNTUNED_SOURCE``: nothing is benchmarked and nothing written. For processes that share a GPU with
-    others (``tilefuse report``'s accuracy workers), whose timings would measure each other."""
-    global _tune_missing_keys
-    _tune_missing_keys = enabled
+    others (``tilefuse report``'s accuracy workers), whose timings would measure each other. With
+    ``compile_space`` such a key also compiles, without running, the rest of its pruned space, so that
+    the process that does tune it later finds every config in Triton's disk cache."""
+    global _tune_missing_keys, _compile_missing_space
+    _tune_missing_keys, _compile_missing_space = enabled, compile_space and not enabled
 
 
 def _value_text(v) -> str:
@@ -168,10 +171,21 @@ class TableAutotuner(Autotuner):
                 self._remember(key, text, config, source, path, entry)
                 return key, text, [config]
         if not _tune_missing_keys:
-            config = self._pruned(args, kwargs)[0]
-            self._remember(key, text, config, UNTUNED_SOURCE, None, {"timings": []})
-            return key, text, [config]
+            pruned = self._pruned(args, kwargs)
+            if _compile_missing_space:
+                self._compile_only(pruned[1:], args, kwargs)
+            self._remember(key, text, pruned[0], UNTUNED_SOURCE, None, {"timings": []})
+            return key, text, [pruned[0]]
         return key, text, list(self.configs)
+
+    def _compile_only(self, configs, args, kwargs) -> None:
+        """Compiles each config for this launch without running it (JITFunction.run's warmup)."""
+        meta = {k: v for k, v in kwargs.items() if k != "warmup"}
+        for config in configs:
+            try:
+                self.fn.run(*args, **meta, **config.all_kwargs(), warmup=True)
+            except Exception:  # noqa: BLE001 - a config that cannot compile fails the same way when tuned
+                pass
 
     def _pruned(self, args, kwargs, also: triton.Config | None = None) -> list[triton.Config]:
         """What the kernel's prune keeps for this launch from its space (plus ``also``, a stored config
