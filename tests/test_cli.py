@@ -116,7 +116,7 @@ def test_quick_report_names_each_op_with_the_time_left_and_skips_compiling_ancho
     terminal bar one line per op on stderr names it and estimates the time left."""
     from tilefuse.harness import report
 
-    result = run_report(ops=["softmax", "rms_norm"], quick=True, out_dir=tmp_path, show_progress=False)
+    result = run_report(ops=["softmax", "rms_norm"], quick=True, out_dir=tmp_path, show_progress=False, jobs=1)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tilefuse report [")]
     assert [line.split(":")[0] for line in lines] == ["tilefuse report [1/2] softmax", "tilefuse report [2/2] rms_norm"]
     assert "elapsed, about" in lines[1] and lines[1].endswith("left)")

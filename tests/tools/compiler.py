@@ -81,7 +81,9 @@ def _facts(kernel) -> dict:
     import triton
 
     ptx = kernel.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # The ptxas triton compiled for: its version sets the PTX version written. Not always the bundled one:
+    # Inductor points TRITON_PTXAS_PATH at torch's own (CUDA 13 in a cu130 build) at its first compile.
+    ptxas = triton.knobs.nvidia.ptxas.path
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:

@@ -223,7 +223,10 @@ def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anc
     measure each other; for a row's key it also compiles the rest of the space, which the timing process
     then tunes from Triton's disk cache. Returns the accuracy rows and the configs they used."""
     tuning.tune_missing_keys(False)
-    if torch.cuda.is_available():  # Inductor's compile pool per worker: the workers already fill the cores
+    # The workers already fill the cores: one CPU thread each for torch (idle OpenMP threads spin) and a
+    # small compile pool for Inductor.
+    torch.set_num_threads(1)
+    if torch.cuda.is_available():
         import torch._inductor.config as inductor_config
         inductor_config.compile_threads = 2
     spec = registry.get(name)
