@@ -257,6 +257,7 @@ def test_new_key_is_tuned_once_and_written_with_the_configs_it_beat(tables, monk
                                                                                        (64, 3.0)]
     [rec] = tuning.tuning_record("tiny")
     assert rec["source"] == "autotuned" and rec["path"] == str(tuning.user_cache_path(SLUG, "tiny"))
+    assert rec["tuning_seconds"] >= 0 and "tuning_seconds" not in entry  # the run's record only, not the file
     text = tuning.describe_record(rec)
     assert text == ("BLOCK=128 w4 s3 [autotuned] 1.000 ms; "
                     "beat BLOCK=256 w8 s2 2.000 ms (+100%), BLOCK=64 w4 s3 3.000 ms (+200%)"), text

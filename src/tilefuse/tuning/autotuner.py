@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 import triton
@@ -252,6 +253,7 @@ class TableAutotuner(Autotuner):
     def _run_and_settle(self, args, kwargs):
         key, text, _ = self.choose(args, kwargs)
         to_tune = key not in self.cache
+        started = time.perf_counter()
         try:
             ret = super().run(*args, **kwargs)
         except (OutOfResources, PTXASError) as e:
@@ -265,10 +267,10 @@ class TableAutotuner(Autotuner):
             to_tune = True
             ret = super().run(*args, **kwargs)
         if to_tune and key in self.cache:
-            self._after_tuning(args, key, text)
+            self._after_tuning(args, key, text, time.perf_counter() - started)
         return ret
 
-    def _after_tuning(self, args, key, text) -> None:
+    def _after_tuning(self, args, key, text, seconds: float) -> None:
         best = self.cache[key]
         entry = make_entry(best, getattr(self, "configs_timings", None))
         device_name = _device_name(args)
@@ -280,7 +282,8 @@ class TableAutotuner(Autotuner):
             except OSError as e:
                 _warn(f"tilefuse: could not write tuned config for {self.name} to "
                       f"{user_cache_path(slug, self.name)} ({e}); it will be tuned again next process")
-        self._remember(key, text, best, "autotuned", path, entry)
+        # The record (not the stored entry) also keeps how long tuning took: compiling and timing the space.
+        self._remember(key, text, best, "autotuned", path, {**entry, "tuning_seconds": round(seconds, 2)})
 
 
 def _unique_name(base: str) -> str:
