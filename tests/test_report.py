@@ -162,3 +162,28 @@ def test_summary_names_nan_mismatches_and_lists_at_most_a_few_failures():
     first = report.summary_text(result).splitlines()[0]
     assert first.startswith("accuracy FAIL: bounds met on 0 of 6 cases; failed: softmax C0 fp16 (2 NaN mismatches)")
     assert "C3" in first and "C4" not in first and first.endswith("and 2 more")
+
+
+def test_compile_clock_times_each_build_and_restores_the_hooks_set_before():
+    """The report's compile clock chains triton's JIT hooks: each build between the miss and the done hook is
+    counted with its seconds, the hooks set before still run, and they are back in place afterwards."""
+    from triton import knobs
+
+    from tilefuse.harness.timing import compile_clock
+
+    calls = []
+    before = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    try:
+        knobs.runtime.jit_cache_hook = lambda **kw: calls.append("miss")
+        knobs.runtime.jit_post_compile_hook = lambda **kw: calls.append("done")
+        mine = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        with compile_clock() as clock:
+            for name in ("gemm_kernel[num_warps=8](x: *bf16)", "norm_kernel[num_warps=4](x: *bf16)"):
+                assert knobs.runtime.jit_cache_hook(repr=name, key=None) is None  # None: triton compiles
+                knobs.runtime.jit_post_compile_hook(repr=name, key=None)
+        assert clock["kernels"] == 2 and clock["seconds"] >= 0
+        assert sorted(n for n, _ in clock["slowest"]) == ["gemm_kernel", "norm_kernel"]
+        assert calls == ["miss", "done", "miss", "done"]
+        assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == mine
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before

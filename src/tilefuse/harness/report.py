@@ -26,7 +26,7 @@ from tilefuse.kernels import launches
 from tilefuse.opspec import OpSpec, dtype_name
 from tilefuse.harness import plots
 from tilefuse.harness.stats import error_stats, poison_outputs_like, to_float64
-from tilefuse.harness.timing import bench_ms, graph_ms, host_us, measure_ceilings
+from tilefuse.harness.timing import bench_ms, compile_clock, graph_ms, host_us, measure_ceilings
 
 
 def environment() -> dict:
@@ -121,7 +121,15 @@ class _StepClock:
 
 
 def speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, skipped=()) -> dict:
-    """One benchmark row: fused vs eager vs anchors, same inputs, same process."""
+    """One benchmark row: fused vs eager vs anchors, same inputs, same process. ``compiled`` in the row:
+    the Triton kernels the row built (compiled or loaded from the disk cache) and their seconds."""
+    with compile_clock() as clock:
+        row = _speed_for_case(spec, params, ceilings, anchor_filter, skipped)
+    row["compiled"] = clock
+    return row
+
+
+def _speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, skipped=()) -> dict:
     device = _device()
     step = _StepClock()
     inputs = spec.make_inputs(params, device, 0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -99,3 +100,36 @@ def measure_ceilings() -> dict:
         ceilings[key] = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
     torch.cuda.empty_cache()
     return ceilings
+
+
+@contextmanager
+def compile_clock():
+    """Yields ``{"kernels": n, "seconds": s, "slowest": [[kernel, seconds], ...]}``, filled while inside with
+    every kernel specialization triton builds in this process (through its JIT hooks, the ones set before
+    chained): a load from triton's disk cache takes milliseconds, a compile seconds, so a row whose first call
+    is slow tells which it met. Launches of the Triton interpreter build nothing and count nothing."""
+    from triton import knobs
+
+    clock = {"kernels": 0, "seconds": 0.0, "slowest": []}
+    started: dict = {}
+    before_miss, before_done = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+
+    def on_miss(**kwargs):
+        started[kwargs["repr"]] = time.perf_counter()
+        return before_miss(**kwargs) if before_miss else None
+
+    def on_done(**kwargs):
+        t0 = started.pop(kwargs["repr"], None)
+        if t0 is not None:
+            seconds = time.perf_counter() - t0
+            clock["kernels"] += 1
+            clock["seconds"] = round(clock["seconds"] + seconds, 2)
+            name = kwargs["repr"].split("[", 1)[0]
+            clock["slowest"] = sorted(clock["slowest"] + [[name, round(seconds, 2)]], key=lambda r: -r[1])[:3]
+        return before_done(**kwargs) if before_done else None
+
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = on_miss, on_done
+    try:
+        yield clock
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before_miss, before_done
