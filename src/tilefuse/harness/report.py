@@ -183,9 +183,7 @@ def _speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, s
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
         step("eager unfused")
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
-        for name, fn in spec.anchors(params).items():
-            if not _anchor_runs(name, anchor_filter, skipped):
-                continue
+        for name, fn in _running_anchors(spec, params, anchor_filter, skipped).items():
             timings[name] = _safe_bench(lambda fn=fn: fn(**inputs))
             step(name)
     ms = row["ms"]
@@ -215,21 +213,20 @@ def warm_row(spec: OpSpec, params: dict, anchor_filter, skipped=()) -> None:
         if "kernels_only" in spec.extra:
             spec.extra["kernels_only"](**inputs)
         torch._dynamo.reset()
-        for name, fn in spec.anchors(params).items():
-            if _anchor_runs(name, anchor_filter, skipped):
-                try:
-                    fn(**inputs)
-                except Exception:  # noqa: BLE001 - the timed run reports it in the row
-                    pass
+        for fn in _running_anchors(spec, params, anchor_filter, skipped).values():
+            try:
+                fn(**inputs)
+            except Exception:  # noqa: BLE001 - the timed run reports it in the row
+                pass
     torch.cuda.synchronize()
 
 
 def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anchor_filter, skipped) -> dict:
     """What a ``--jobs`` worker process does for one op before any timing: its accuracy cases, then
-    :func:`warm_row` for each benchmark row it will time (GPU only). A kernel key with no stored config runs its first
-    config untuned (:func:`tuning.tune_missing_keys`): workers share the GPU, so their timings would
-    measure each other; for a row's key it also compiles the rest of the space, which the timing process
-    then tunes from Triton's disk cache. Returns the accuracy rows and the configs they used."""
+    :func:`warm_row` for each benchmark row it will time (GPU only). A kernel key with no stored config
+    runs its first config untuned (:func:`tuning.tune_missing_keys`): workers share the GPU, so their
+    timings would measure each other; for a row's key it also compiles the rest of the space, which the
+    timing process then tunes from Triton's disk cache. Returns the accuracy rows and the configs they used."""
     tuning.tune_missing_keys(False)
     # The workers already fill the cores: one CPU thread each for torch (idle OpenMP threads spin) and a
     # small compile pool for Inductor.
@@ -424,8 +421,7 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     result["ceilings_seconds"] = round(time.perf_counter() - ceilings_started, 1)
 
     def row_weight(spec, params):
-        names = [n for n in spec.anchors(params) if _anchor_runs(n, anchor_filter, skipped)]
-        return _Progress.ROW + _Progress.ANCHOR * len(names)
+        return _Progress.ROW + _Progress.ANCHOR * len(_running_anchors(spec, params, anchor_filter, skipped))
     row_weights = {s.name: [row_weight(s, p) if on_gpu else 0.0 for p in bench_plan[s.name]] for s in specs}
     accuracy_weight = {s.name: len(accuracy_cases(s, quick)) * seeds * _Progress.SEED for s in specs}
     started = time.perf_counter()
@@ -492,6 +488,12 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     return result
 
 
+def _running_anchors(spec: OpSpec, params: dict, anchor_filter, skipped) -> dict:
+    """The row's anchors (name -> callable) that this run times: --anchors' selection, else all but --quick's
+    skipped ones."""
+    return {name: fn for name, fn in spec.anchors(params).items() if _anchor_runs(name, anchor_filter, skipped)}
+
+
 def _anchor_runs(name: str, anchor_filter, skipped) -> bool:
     if anchor_filter:
         return any(re.fullmatch(f, name) for f in anchor_filter)
@@ -530,7 +532,8 @@ def render_markdown(result: dict) -> str:
              f"{env['device']} · path `{env['path']}` · torch {env['torch']} · triton {env['triton']} · "
              f"python {env['python']} · {env['time_utc']} UTC · {result['seeds']} seeds per accuracy case", ""]
     if result.get("jobs", 1) > 1:
-        lines += [f"Accuracy cases and the first (compiling) call of every benchmark row ran in {result['jobs']} "
+        what = "Accuracy cases and the first (compiling) call of every benchmark row" if on_gpu else "Accuracy cases"
+        lines += [f"{what} ran in {result['jobs']} "
                   "worker processes before any timing; there a kernel key with no stored config ran its first "
                   f"config untuned (source \"{tuning.autotuner.UNTUNED_SOURCE}\" in the configs tables). Every "
                   "time below was measured afterwards in one process, with the workers gone.", ""]
