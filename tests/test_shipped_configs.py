@@ -6,6 +6,7 @@ benchmarking: a key the table lacks takes the pinned first config), every GPU ac
 of the ops behind each table family runs once, its leading size moved off the power of two where that keeps the
 key's bucket (ragged last tiles), against float64 -- and every entry of the table must have served one of them.
 """
+import dataclasses
 import json
 
 import pytest
@@ -18,11 +19,15 @@ from tilefuse.tuning import tables
 
 SLUG = "nvidia-h200"
 TABLE = tables.load_shipped_table(tables.shipped_table_path(SLUG))
-# Each kernel of the table, by the family of ops whose calls choose its configs.
+# Each kernel of the table, by the family of ops whose calls choose its configs. Training ops reach the forward GEMM with the slope stored (SAVE_SLOPE) and the backward GEMMs;
+# layer_norm_linear reaches the norm's statistics pass and the GEMM with the norm in its epilogue.
 FAMILIES = {
-    "gemm": (("linear_portable", "linear_splitk", "linear_tma"), ("linear", "gated_linear")),
-    "norms": (("norm_fwd",), ("layer_norm", "rms_norm")),
-    "softmax": (("softmax_fwd_block", "softmax_fwd_long"), ("softmax",)),
+    "attention": (("attention_fwd",), ("attention", "sdpa")),
+    "gemm": (("linear_portable", "linear_splitk", "linear_tma", "linear_grad_input"),
+             ("linear", "gated_linear", "layer_norm_linear", "linear_train", "gated_linear_train",
+              "layer_norm_linear_train", "qkv_projection_train")),
+    "norms": (("norm_fwd",), ("layer_norm", "rms_norm", "layer_norm_linear")),
+    "softmax": (("softmax_fwd_block", "softmax_fwd_long", "softmax_bwd_block"), ("softmax", "softmax_backward")),
 }
 
 
@@ -32,6 +37,17 @@ FAMILIES = {
 # switch for that kernel off, on the cases it would take.
 SWITCHED = {"gemm": [("linear", "DECODE_KERNEL", lambda p: p["shape"][0] <= 64),
                      ("gated_linear", "COOP_GATED", lambda p: True)]}
+
+
+# Anchors made of tilefuse's own ops: the report's rows reach their keys too, so they run here as well.
+OWN_ANCHORS = {"layer_norm_linear": "tilefuse layer_norm then linear"}
+
+
+def _variants(spec, params):
+    """The op itself, then each of its anchors that is tilefuse's own, as specs whose fused call is that."""
+    yield spec
+    if spec.name in OWN_ANCHORS:
+        yield dataclasses.replace(spec, fused=spec.anchors(params)[OWN_ANCHORS[spec.name]])
 
 
 def test_every_shipped_kernel_belongs_to_a_family():
@@ -54,7 +70,8 @@ def _ragged(params):
 def shipped_tuners(monkeypatch, tmp_path):
     """Every tuner unpinned, with empty in-process caches, reading an empty user cache and the shipped table;
     a key the table lacks runs the first pruned config instead of benchmarking the space."""
-    from tilefuse.kernels.gemm import launch as _g  # noqa: F401  (each family's tuners, registered)
+    from tilefuse.kernels.attention import launch as _a  # noqa: F401  (each family's tuners, registered)
+    from tilefuse.kernels.gemm import launch as _g  # noqa: F401
     from tilefuse.kernels.norms import launch as _n  # noqa: F401
     from tilefuse.kernels.softmax import launch as _s  # noqa: F401
 
@@ -100,8 +117,9 @@ def test_each_shipped_config_computes_its_bucket_against_float64(family, shipped
                 if not wanted(params):
                     continue
                 params = _ragged(params)
-                check_against_reference(spec, params, device, seed=len(spec.label(params)))
-                torch.cuda.empty_cache()
+                for variant in _variants(spec, params):
+                    check_against_reference(variant, params, device, seed=len(spec.label(params)))
+                    torch.cuda.empty_cache()
         fastpath.clear_all()
     served = {(r["kernel"], r["key"]) for r in tuning.tuning_records() if r["source"] == "shipped"}
     unserved = [(k, key) for k in kernels for key in TABLE.get(k, {}) if (k, key) not in served]
