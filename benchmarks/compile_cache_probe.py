@@ -39,7 +39,22 @@ def _recording():
                       "specialization": kwargs["compile"]["specialization_data"]})
 
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = on_miss, on_done
+    # The text triton hashes into a kernel's disk-cache key (its parts joined by '-'), per kernel in build order.
+    from triton.compiler import compiler
+    original = compiler.get_cache_key
+
+    def get_cache_key(src, backend, options, env_vars):
+        key = original(src, backend, options, env_vars)
+        keys.setdefault(getattr(src, "name", "?"), []).append(key)
+        return key
+
+    keys: dict = {}
+    compiler.get_cache_key = get_cache_key
+    built_keys.append(keys)
     return built
+
+
+built_keys: list = []
 
 
 def _backend_facts() -> dict:
@@ -52,7 +67,7 @@ def worker(op: str, row: int) -> dict:
     built = _recording()
     from tilefuse.harness import report
     report.prepare_op(op, True, 1, [row], None, report.QUICK_SKIPPED_ANCHORS)
-    return {"built": built, **_backend_facts()}
+    return {"built": built, "cache_keys": built_keys[0], **_backend_facts()}
 
 
 def main(argv=None) -> int:
@@ -71,8 +86,18 @@ def main(argv=None) -> int:
     timed = report.speed_for_case(spec, spec.bench_cases[row], ceilings, None, report.QUICK_SKIPPED_ANCHORS)
     print(json.dumps({"op": op, "row": timed["case"], "worker_seconds": round(worker_seconds, 1),
                       "row_seconds": round(time.perf_counter() - started, 1), "step_seconds": timed["step_seconds"],
-                      "worker_backend": {k: v for k, v in from_worker.items() if k != "built"},
+                      "worker_backend": {k: v for k, v in from_worker.items() if k not in ("built", "cache_keys")},
                       "timing_backend": _backend_facts(), "worker_kernels": len(from_worker["built"])}))
+    mine = built_keys[0]
+    for name, texts in mine.items():  # where the disk-cache key text of a kernel differs from the worker's
+        theirs = from_worker["cache_keys"].get(name, [])
+        for text in texts:
+            if text in theirs or not theirs:
+                continue
+            ours = text.split("-")
+            nearest = min(theirs, key=lambda t: sum(a != b for a, b in zip(ours, t.split("-"))))
+            print(json.dumps({"kernel": name, "key_parts_differing": [
+                [a, b] for a, b in zip(ours, nearest.split("-")) if a != b][:6]}))
     by_spec = {b["specialization"]: b for b in from_worker["built"]}
     by_kernel: dict = {}
     for b in from_worker["built"]:
