@@ -16,10 +16,11 @@ from tilefuse.ops.qkv import qkv_projection
 from tilefuse import nn
 from tilefuse import distributed
 from tilefuse.patching import PatchReport, patch, unpatch
+from tilefuse.runtime import use_backend
 
 # The one place the version is written: pyproject.toml reads it from here (dynamic = ["version"]).
 __version__ = "0.1.0"
 
 __all__ = ["linear", "attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func", "layer_norm", "rms_norm", "layer_norm_linear",
-           "softmax", "linear_cross_entropy", "qkv_projection", "nn", "distributed", "patch", "unpatch", "PatchReport", "__version__"]
+           "softmax", "linear_cross_entropy", "qkv_projection", "nn", "distributed", "patch", "unpatch", "PatchReport", "use_backend", "__version__"]

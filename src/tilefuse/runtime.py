@@ -6,6 +6,10 @@
 - ``reference``: a CPU tensor without the interpreter runs the plain PyTorch reference
   (``tilefuse.reference``). This is documented behaviour, and ``tilefuse info`` prints it.
 
+Also which implementation an op may take (:func:`backend`, set by ``TILEFUSE_BACKEND`` or
+:func:`use_backend`): tilefuse's kernels, the vendor's libraries through PyTorch, or ``auto``, a measured choice
+per shape (the family's launch module asks and decides).
+
 Also the version checks that must pass before a Triton kernel module is imported
 (:func:`check_triton`) or the interpreter is relied on (:func:`interpreter_numpy_problem`). They read
 triton's version from its distribution metadata, so calling them does not import triton (and fix the
@@ -13,6 +17,9 @@ interpreter setting too early) unless no installed distribution is named triton.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -49,6 +56,46 @@ def precision_for(dtype: torch.dtype, is_cuda: bool) -> str:
     if dtype == torch.float32:
         return "tf32" if (is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
     return "tf32"  # ignored by tl.dot for 16-bit operands
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backends. ``auto``: each op takes, per shape bucket, the faster of tilefuse's kernels and the vendor's
+# composition (cuBLAS/cuBLASLt, cuDNN, torch's own kernels) by measurement on the GPU; ``tilefuse``: tilefuse's
+# kernels only; ``vendor``: the vendor compositions only (an op with none runs tilefuse's kernels).
+
+AUTO, TILEFUSE, VENDOR = "auto", "tilefuse", "vendor"
+BACKENDS = (AUTO, TILEFUSE, VENDOR)
+BACKEND_ENV = "TILEFUSE_BACKEND"
+_BACKEND: contextvars.ContextVar = contextvars.ContextVar("tilefuse_backend", default=None)
+
+
+def _check_backend(name, what: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_from_env(value: str) -> str:
+    return _check_backend(value.strip().lower() or AUTO, f"the environment variable {BACKEND_ENV}")
+
+
+def backend() -> str:
+    """The backend ops take now: the innermost :func:`use_backend` block's, else ``TILEFUSE_BACKEND``
+    (default ``auto``). A bad value raises ValueError naming the variable at the first op that asks."""
+    chosen = _BACKEND.get()
+    return chosen if chosen is not None else _backend_from_env(os.environ.get(BACKEND_ENV, AUTO))
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """``with tilefuse.use_backend("tilefuse"):`` -- ops called inside take that backend (``auto``,
+    ``tilefuse`` or ``vendor``), whatever ``TILEFUSE_BACKEND`` says; per thread and per asyncio task."""
+    token = _BACKEND.set(_check_backend(name, "use_backend's name"))
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
 
 
 _DEVICE_FACTS: dict = {}

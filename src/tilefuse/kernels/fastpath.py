@@ -34,6 +34,7 @@ Interpreter and reference calls never replay (:func:`signature` is None off the 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import threading
@@ -67,6 +68,25 @@ def persistent(t: torch.Tensor) -> torch.Tensor:
     address as a constant. Returns ``t``."""
     _PERSISTENT[t.data_ptr()] = t
     return t
+
+
+@contextlib.contextmanager
+def aside():
+    """Launches inside are neither captured into the plan being made nor recorded: a launch module's work
+    besides the call itself, such as timing its candidate implementations once (``tuning.choices``)."""
+    saved = getattr(_local, "capture", None)
+    _local.capture = None
+    try:
+        with launches.paused():
+            yield
+    finally:
+        _local.capture = saved
+
+
+def run_aside(fn, *args):
+    """``fn(*args)`` inside :func:`aside`."""
+    with aside():
+        return fn(*args)
 
 
 def clear_all() -> None:

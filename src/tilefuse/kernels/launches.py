@@ -43,6 +43,18 @@ def recording():
         del _ACTIVE[next(i for i, r in enumerate(_ACTIVE) if r is records)]
 
 
+@contextlib.contextmanager
+def paused():
+    """No recording while inside (every thread's): for work an op does besides its call, such as timing its
+    candidate implementations once (``tuning.choices``)."""
+    saved = _ACTIVE[:]
+    _ACTIVE.clear()
+    try:
+        yield
+    finally:
+        _ACTIVE[:] = saved + _ACTIVE
+
+
 def record(op: str, path: str, kernel: str, config) -> LaunchRecord | None:
     """Adds a record to every active ``recording`` (and returns it), or does nothing when none is active.
     ``config``: text, or a callable giving it (built only when someone records)."""

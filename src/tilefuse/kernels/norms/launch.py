@@ -224,9 +224,23 @@ def _describe(cfg: dict) -> str:
 
 def forward(x2d, res2d, weight, bias, eps: float, is_rms: bool, path):
     """y = norm(x [+ residual]) * weight + bias over rows [M, N] (M, N > 0). Returns (y, stats) or, with a
-    residual, (y, h, stats): y and h contiguous [M, N], stats fp32 [2, M] (mean, rstd)."""
-    return _FORWARD.run((x2d, res2d, weight, bias), (eps, is_rms),
-                        lambda: _forward(x2d, res2d, weight, bias, eps, is_rms, path))
+    residual, (y, h, stats): y and h contiguous [M, N], stats fp32 [2, M] (mean, rstd). Runs tilefuse's
+    kernel or torch's (see :data:`FORWARD_CHOICE`)."""
+    mode = runtime.backend()
+    return _FORWARD.run((x2d, res2d, weight, bias), (eps, is_rms, mode),
+                        lambda: _forward_chosen(x2d, res2d, weight, bias, eps, is_rms, path, mode))
+
+
+def _forward_chosen(x2d, res2d, weight, bias, eps, is_rms, path, mode):
+    def run(candidate):
+        if candidate == TORCH:
+            return _forward_torch(x2d, res2d, weight, bias, eps, is_rms, path)
+        return _forward(x2d, res2d, weight, bias, eps, is_rms, path)
+
+    available = (tuning.TILEFUSE, TORCH) if _torch_takes(x2d, weight, bias) else (tuning.TILEFUSE,)
+    chosen = FORWARD_CHOICE.choose(mode, available, _choice_key(x2d, res2d, weight, bias, is_rms), x2d.device,
+                                   lambda c: fastpath.run_aside(run, c))
+    return run(chosen)
 
 
 def _forward(x2d, res2d, weight, bias, eps, is_rms, path):
@@ -254,8 +268,22 @@ def backward(dy2d, h2d, weight, stats, dh2d, is_rms: bool, compute_dw: bool, com
     """dx [M, N] (h2d's dtype) and the fp32 partial column sums [2 | 1, programs, N] (dweight then dbias,
     those asked for; an empty tensor when neither is): their sum over dim 1 gives the gradients. h2d: the
     normalized rows (x, or h = x + residual); stats from :func:`forward`."""
-    return _BACKWARD.run((dy2d, h2d, weight, stats, dh2d), (is_rms, compute_dw, compute_db),
-                         lambda: _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path))
+    mode = runtime.backend()
+    return _BACKWARD.run((dy2d, h2d, weight, stats, dh2d), (is_rms, compute_dw, compute_db, mode),
+                         lambda: _backward_chosen(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db,
+                                                  path, mode))
+
+
+def _backward_chosen(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path, mode):
+    def run(candidate):
+        if candidate == TORCH:
+            return _backward_torch(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path)
+        return _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path)
+
+    available = (tuning.TILEFUSE, TORCH) if _torch_takes(h2d, weight, dy2d) else (tuning.TILEFUSE,)
+    key = _choice_key(h2d, dh2d, weight, None, is_rms, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db)
+    chosen = BACKWARD_CHOICE.choose(mode, available, key, h2d.device, lambda c: fastpath.run_aside(run, c))
+    return run(chosen)
 
 
 def _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path):
@@ -267,3 +295,73 @@ def _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, pa
     if parts is None:
         parts = torch.empty((0,), dtype=torch.float32, device=h2d.device)
     return dx, parts
+
+
+# ---- torch's kernels, the vendor candidate -----------------------------------------------------------
+# Same outputs and layouts as tilefuse's: y (and h) contiguous [M, N], stats fp32 [2, M]; the backward's
+# dweight / dbias as fp32 [n, 1, N] "partial rows" (one program's). Taken only when the norm parameters have
+# x's dtype: torch's kernels differ from each other in how they treat mixed ones.
+TORCH = "torch"
+FORWARD_CHOICE = tuning.BackendChoice("norm_forward_backend", (tuning.TILEFUSE, TORCH))
+BACKWARD_CHOICE = tuning.BackendChoice("norm_backward_backend", (tuning.TILEFUSE, TORCH))
+
+
+def _torch_takes(x2d, *others) -> bool:
+    return all(t is None or t.dtype == x2d.dtype for t in others)
+
+
+def _choice_key(x2d, res2d, weight, bias, is_rms, **extra) -> tuple:
+    """What the choice between tilefuse's and torch's norm depends on, as a ``tuning.ChoiceKey``."""
+    M, N = x2d.shape
+    return tuning.ChoiceKey(N=N, M_BUCKET=sizes.m_bucket(M), IS_RMS=is_rms, HAS_RESIDUAL=res2d is not None,
+                            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **extra, dtype=x2d.dtype)
+
+
+def _forward_torch(x2d, res2d, weight, bias, eps, is_rms, path):
+    M, N = x2d.shape
+    h = x2d if res2d is None else x2d + res2d
+    stats = torch.empty((2, M), dtype=torch.float32, device=x2d.device)
+    if is_rms:
+        y, rstd = torch.ops.aten._fused_rms_norm(h, [N], weight, eps)
+    else:
+        y, mean, rstd = torch.native_layer_norm(h, [N], weight, bias, eps)
+        stats[0].copy_(mean.view(M))
+    stats[1].copy_(rstd.view(M))
+    launches.record("rms_norm" if is_rms else "layer_norm", path, TORCH,
+                    "aten._fused_rms_norm" if is_rms else "aten.native_layer_norm")
+    y = y.contiguous()
+    return (y, stats) if res2d is None else (y, h, stats)
+
+
+def _backward_torch(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path):
+    M, N = h2d.shape
+    rstd = stats[1].view(M, 1)
+    if is_rms:
+        dx, dw = _rms_norm_backward_torch(dy2d, h2d, weight, rstd, compute_dw)
+        grads = [dw] if compute_dw else []
+    else:
+        dx, dw, _ = torch.ops.aten.native_layer_norm_backward(dy2d, h2d, [N], stats[0].view(M, 1), rstd, weight,
+                                                              None, [True, compute_dw, False])
+        grads = ([dw] if compute_dw else []) + ([dy2d.sum(dim=0, dtype=torch.float32)] if compute_db else [])
+    if dh2d is not None:
+        dx = dx + dh2d
+    launches.record("rms_norm_backward" if is_rms else "layer_norm_backward", path, TORCH,
+                    "aten._fused_rms_norm_backward" if is_rms else "aten.native_layer_norm_backward")
+    parts = (torch.stack([g.float() for g in grads]).view(len(grads), 1, N) if grads
+             else torch.empty((0,), dtype=torch.float32, device=h2d.device))
+    return dx.contiguous(), parts
+
+
+def _rms_norm_backward_torch(dy2d, h2d, weight, rstd, compute_dw):
+    """(dx, dweight or None) of y = h * rstd * weight: aten's fused kernel where it has one (CUDA), else the
+    same formula in torch ops."""
+    N = h2d.shape[1]
+    if h2d.is_cuda:
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(dy2d, h2d, [N], rstd, weight, [True, compute_dw])
+        return dx, dw
+    h, g = h2d.float(), dy2d.float()
+    xhat = h * rstd
+    gw = g if weight is None else g * weight.float()
+    dx = rstd * (gw - xhat * (gw * xhat).mean(dim=1, keepdim=True))
+    dw = (g * xhat).sum(dim=0) if compute_dw and weight is not None else None
+    return dx.to(h2d.dtype), dw

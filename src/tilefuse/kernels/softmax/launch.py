@@ -395,7 +395,16 @@ _BACKWARD = fastpath.Plans("softmax_backward")
 def forward(x, dim: int, algorithm: str, path) -> torch.Tensor:
     """softmax over ``dim`` (non-negative) of a non-empty x with at least one dim; the result is laid
     out as ``torch.empty_like(x)`` (x's strides when x is dense)."""
-    return _FORWARD.run((x,), (dim, algorithm), lambda: _forward(x, dim, algorithm, path))
+    mode = runtime.backend()
+    return _FORWARD.run((x,), (dim, algorithm, mode), lambda: _forward_chosen(x, dim, algorithm, path, mode))
+
+
+def _forward_chosen(x, dim, algorithm, path, mode):
+    def run(candidate):
+        return _forward_torch(x, dim, path) if candidate == TORCH else _forward(x, dim, algorithm, path)
+
+    chosen = FORWARD_CHOICE.choose(mode, CANDIDATES, _choice_key(x, dim), x.device, lambda c: fastpath.run_aside(run, c))
+    return run(chosen)
 
 
 def _forward(x, dim, algorithm, path):
@@ -416,7 +425,16 @@ def _forward(x, dim, algorithm, path):
 
 def backward(y, dy, dim: int, path) -> torch.Tensor:
     """dx = y * (dy - sum(dy * y)) over ``dim``; dx laid out as ``torch.empty_like(y)``."""
-    return _BACKWARD.run((y, dy), (dim,), lambda: _backward(y, dy, dim, path))
+    mode = runtime.backend()
+    return _BACKWARD.run((y, dy), (dim, mode), lambda: _backward_chosen(y, dy, dim, path, mode))
+
+
+def _backward_chosen(y, dy, dim, path, mode):
+    def run(candidate):
+        return _backward_torch(y, dy, dim, path) if candidate == TORCH else _backward(y, dy, dim, path)
+
+    chosen = BACKWARD_CHOICE.choose(mode, CANDIDATES, _choice_key(y, dim), y.device, lambda c: fastpath.run_aside(run, c))
+    return run(chosen)
 
 
 def _backward(y, dy, dim, path):
@@ -432,3 +450,33 @@ def _backward(y, dy, dim, path):
         dx.copy_(dxc)
     launches.record("softmax_backward", path, "", how)
     return dx
+
+
+# ---- torch's kernels, the vendor candidate -----------------------------------------------------------
+TORCH = "torch"
+CANDIDATES = (tuning.TILEFUSE, TORCH)
+FORWARD_CHOICE = tuning.BackendChoice("softmax_forward_backend", CANDIDATES)
+BACKWARD_CHOICE = tuning.BackendChoice("softmax_backward_backend", CANDIDATES)
+
+
+def _choice_key(x, dim: int):
+    n = x.shape[dim]
+    return tuning.ChoiceKey(N=n, ROWS_BUCKET=sizes.m_bucket(x.numel() // n), LAST_DIM=dim == x.dim() - 1,
+                            dtype=x.dtype)
+
+
+def _like(t, out):
+    """``out`` laid out as ``torch.empty_like(t)`` (the launch contract), copied only when torch's differs."""
+    if out.stride() == t.stride() or not t.is_non_overlapping_and_dense():
+        return out
+    return torch.empty_like(t).copy_(out)
+
+
+def _forward_torch(x, dim, path):
+    launches.record("softmax", path, TORCH, "aten._softmax")
+    return _like(x, torch.ops.aten._softmax(x, dim, False))
+
+
+def _backward_torch(y, dy, dim, path):
+    launches.record("softmax_backward", path, TORCH, "aten._softmax_backward_data")
+    return _like(y, torch.ops.aten._softmax_backward_data(dy, y, dim, y.dtype))

@@ -1,0 +1,158 @@
+"""The backend an op takes (TILEFUSE_BACKEND, tilefuse.use_backend) and the measured choice between tilefuse's
+kernels and the vendor's composition (tuning.choices), for the families that have a vendor candidate so far:
+norms and softmax."""
+import pytest
+import torch
+import triton
+
+import tilefuse
+from helpers import check_against_reference
+from tilefuse import registry, runtime, tuning
+from tilefuse.kernels import launches
+from tilefuse.tuning import choices
+
+VENDOR_OPS = ["layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward", "softmax", "softmax_backward"]
+
+
+def test_backend_comes_from_the_block_then_the_environment(monkeypatch):
+    monkeypatch.delenv("TILEFUSE_BACKEND", raising=False)
+    assert runtime.backend() == "auto"
+    monkeypatch.setenv("TILEFUSE_BACKEND", "Vendor")
+    assert runtime.backend() == "vendor"
+    with tilefuse.use_backend("tilefuse"):
+        assert runtime.backend() == "tilefuse"
+        with tilefuse.use_backend("auto"):
+            assert runtime.backend() == "auto"
+        assert runtime.backend() == "tilefuse"
+    assert runtime.backend() == "vendor"
+
+
+def test_bad_backend_names_are_refused_naming_where_they_came_from(monkeypatch):
+    with pytest.raises(ValueError, match="use_backend"):
+        with tilefuse.use_backend("cudnn"):
+            pass
+    monkeypatch.setenv("TILEFUSE_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="TILEFUSE_BACKEND"):
+        tilefuse.layer_norm(torch.randn(3, 8), 8)
+
+
+@pytest.mark.parametrize("mode", ["auto", "tilefuse", "vendor"])
+@pytest.mark.parametrize("name", VENDOR_OPS)
+def test_ops_match_float64_under_each_backend_and_say_which_ran(name, mode, device):
+    spec = registry.get(name)
+    params = spec.accuracy_cases["gpu" if device.type == "cuda" else "cpu"][0]
+    with tilefuse.use_backend(mode), launches.recording() as recs:
+        check_against_reference(spec, params, device, seed=3)
+    kernels = {r.kernel for r in recs if r.path != runtime.REFERENCE}
+    if runtime.execution_path(torch.empty(0, device=device)) == runtime.REFERENCE:
+        return  # no launch layer on this path
+    if mode == "vendor":
+        assert kernels == {"torch"}, recs
+    elif mode == "tilefuse" or device.type == "cpu":  # auto measures only on a GPU
+        assert "torch" not in kernels, recs
+
+
+def test_vendor_norm_with_mixed_parameter_dtypes_takes_tilefuses_kernel(device):
+    x = torch.randn(5, 64, device=device, dtype=torch.bfloat16)
+    w = torch.randn(64, device=device)  # fp32 beside bf16 x: torch's kernels differ in how they treat it
+    with tilefuse.use_backend("vendor"), launches.recording() as recs:
+        y = tilefuse.rms_norm(x, 64, w)
+    ref = torch.nn.functional.rms_norm(x.double(), (64,), w.double())
+    assert y.dtype == x.dtype and torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2)
+    if runtime.execution_path(x) != runtime.REFERENCE:
+        assert [r.kernel for r in recs] == [""], recs
+
+
+# ---- the choice itself -------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """A CUDA device as the choice sees it (name, no capture, tuning on), with do_bench answering from
+    ``times`` (candidate -> ms) and counting its calls; an empty user cache."""
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(tuning.autotuner, "_tune_missing_keys", True)
+    monkeypatch.setattr(tuning.autotuner, "autotune_enabled", lambda: True)
+    state = {"times": {}, "benched": []}
+
+    def do_bench(fn, **kwargs):
+        name = fn()
+        state["benched"].append(name)
+        return state["times"][name]
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    return state
+
+
+def _choice(name):
+    choices._CHOICES.pop(name, None)
+    return tuning.BackendChoice(name, ("tilefuse", "torch", "cudnn"))
+
+
+def test_allowed_candidates_follow_the_backend():
+    c = _choice("test_allowed")
+    assert c.allowed("tilefuse", ("tilefuse", "torch")) == ("tilefuse",)
+    assert c.allowed("vendor", ("tilefuse", "torch", "cudnn")) == ("torch", "cudnn")
+    assert c.allowed("vendor", ("tilefuse",)) == ("tilefuse",)  # no vendor composition for this call
+    assert c.allowed("auto", ("tilefuse", "cudnn")) == ("tilefuse", "cudnn")
+    with pytest.raises(ValueError, match="unknown candidates"):
+        c.allowed("auto", ("tilefuse", "flashinfer"))
+    with pytest.raises(ValueError, match="first candidate"):
+        tuning.BackendChoice("test_bad_first", ("torch", "tilefuse"))
+
+
+def test_auto_measures_once_keeps_the_fastest_and_the_next_process_reads_it(fake_gpu):
+    c = _choice("test_measured")
+    key = tuning.ChoiceKey(N=4096, M_BUCKET=8192, dtype=torch.bfloat16)
+    fake_gpu["times"] = {"tilefuse": 0.30, "torch": 0.25, "cudnn": 0.40}
+    device = torch.device("cuda")
+    run = lambda name: name  # noqa: E731 - do_bench above times by the name a run returns
+    assert c.choose("auto", c.candidates, key, device, run) == "torch"
+    assert sorted(fake_gpu["benched"]) == ["cudnn", "tilefuse", "torch"]
+    assert c.choose("auto", c.candidates, key, device, run) == "torch"
+    assert len(fake_gpu["benched"]) == 3  # settled in this process
+    [record] = [r for r in tuning.tuning_records() if r["kernel"] == "test_measured"]
+    assert record["source"] == "measured" and record["key"] == "N=4096 M_BUCKET=8192 dtypes=bfloat16"
+    assert [t["config"]["kwargs"]["BACKEND"] for t in record["timings"]] == ["torch", "tilefuse", "cudnn"]
+    c.clear()  # a new process: the user cache answers, nothing is timed
+    fake_gpu["times"] = {"tilefuse": 0.1, "torch": 9.0, "cudnn": 9.0}
+    assert c.choose("auto", c.candidates, key, device, run) == "torch"
+    assert len(fake_gpu["benched"]) == 3
+    assert c.records[record["key"]]["source"] == "user cache"
+    # vendor keeps to the vendor candidates: measured among them, under a key of their own
+    assert c.choose("vendor", c.candidates, key, device, run) == "torch"
+    assert "N=4096 M_BUCKET=8192 dtypes=bfloat16 among=torch,cudnn" in c.records
+
+
+def test_auto_without_a_gpu_to_measure_on_takes_tilefuse(fake_gpu, monkeypatch):
+    c = _choice("test_unmeasured")
+    key = tuning.ChoiceKey(N=8, dtype=torch.float32)
+    assert c.choose("auto", c.candidates, key, torch.device("cpu"), lambda n: n) == "tilefuse"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # a CUDA graph being captured
+    assert c.choose("auto", c.candidates, tuning.ChoiceKey(N=16), torch.device("cuda"), lambda n: n) == "tilefuse"
+    assert fake_gpu["benched"] == []
+    assert {r["source"] for r in c.records.values()} == {choices.NOT_MEASURED}
+
+
+def test_a_failing_candidate_is_never_chosen(fake_gpu):
+    c = _choice("test_failing")
+
+    def run(name):
+        if name == "torch":
+            raise RuntimeError("no kernel for this shape")
+        return name
+    fake_gpu["times"] = {"tilefuse": 0.5, "cudnn": 0.7}
+    assert c.choose("auto", c.candidates, tuning.ChoiceKey(N=1), torch.device("cuda"), run) == "tilefuse"
+
+
+@pytest.mark.gpu_only
+def test_a_backend_switch_between_two_calls_is_not_replayed_over():
+    """The host fast path replays a key's launches: the backend is part of the key, or a switch between two
+    calls of one shape would replay tilefuse's kernels under ``vendor`` (and the reverse)."""
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    for mode, kernel in [("tilefuse", ""), ("tilefuse", ""), ("vendor", "torch"), ("tilefuse", ""), ("vendor", "torch")]:
+        with tilefuse.use_backend(mode), launches.recording() as recs:
+            tilefuse.rms_norm(x, 1024, w)
+        assert [r.kernel for r in recs] == [kernel], (mode, recs)
