@@ -6,8 +6,9 @@ import torch
 import triton
 
 import tilefuse
-from helpers import check_against_reference
+from helpers import assert_close, check_against_reference
 from tilefuse import registry, runtime, tuning
+from tilefuse.opspec import default_tolerance
 from tilefuse.kernels import launches
 from tilefuse.tuning import choices
 
@@ -47,9 +48,12 @@ def test_ops_match_float64_under_each_backend_and_say_which_ran(name, mode, devi
     if runtime.execution_path(torch.empty(0, device=device)) == runtime.REFERENCE:
         return  # no launch layer on this path
     if mode == "vendor":
-        assert kernels == {"torch"}, recs
-    elif mode == "tilefuse" or device.type == "cpu":  # auto measures only on a GPU
-        assert "torch" not in kernels, recs
+        # aten's fused RMSNorm backward has CUDA kernels only: elsewhere that backward stays tilefuse's.
+        tilefuse_only = {"rms_norm_backward"} if device.type != "cuda" else set()
+        assert {r.kernel for r in recs if r.op not in tilefuse_only} == {"torch"}, recs
+        assert all(r.kernel == "" for r in recs if r.op in tilefuse_only), recs
+    elif mode == "tilefuse" or device.type == "cpu" or not tuning.autotune_enabled():
+        assert "torch" not in kernels, recs  # auto measures only on a GPU with tuning on
 
 
 def test_vendor_norm_with_mixed_parameter_dtypes_takes_tilefuses_kernel(device):
@@ -58,7 +62,8 @@ def test_vendor_norm_with_mixed_parameter_dtypes_takes_tilefuses_kernel(device):
     with tilefuse.use_backend("vendor"), launches.recording() as recs:
         y = tilefuse.rms_norm(x, 64, w)
     ref = torch.nn.functional.rms_norm(x.double(), (64,), w.double())
-    assert y.dtype == x.dtype and torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2)
+    assert y.dtype == x.dtype
+    assert_close(y, ref, default_tolerance(x.dtype), "rms_norm, fp32 weight, bf16 x")
     if runtime.execution_path(x) != runtime.REFERENCE:
         assert [r.kernel for r in recs] == [""], recs
 

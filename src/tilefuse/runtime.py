@@ -60,8 +60,8 @@ def precision_for(dtype: torch.dtype, is_cuda: bool) -> str:
 
 # ----------------------------------------------------------------------------------------------------
 # Backends. ``auto``: each op takes, per shape bucket, the faster of tilefuse's kernels and the vendor's
-# composition (cuBLAS/cuBLASLt, cuDNN, torch's own kernels) by measurement on the GPU; ``tilefuse``: tilefuse's
-# kernels only; ``vendor``: the vendor compositions only (an op with none runs tilefuse's kernels).
+# composition of the same math through PyTorch, by measurement on the GPU; ``tilefuse``: tilefuse's kernels only;
+# ``vendor``: the vendor compositions only (an op or a call with none runs tilefuse's kernels).
 
 AUTO, TILEFUSE, VENDOR = "auto", "tilefuse", "vendor"
 BACKENDS = (AUTO, TILEFUSE, VENDOR)

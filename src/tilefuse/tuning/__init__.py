@@ -11,10 +11,10 @@ from tilefuse.tuning.tables import (TABLE_FORMAT, atomic_write_json, cache_dir, 
                                     write_table)
 from tilefuse.tuning.choices import (TILEFUSE, BackendChoice, ChoiceKey, choice_records,  # noqa: F401
                                      clear_choices)
-from tilefuse.tuning import autotuner as _autotuner, choices as _choices
+from tilefuse.tuning.autotuner import tuning_records as _kernel_records
 
 
 def tuning_records() -> list[dict]:
     """How every autotuned kernel chose its config and every backend choice its candidate, per key, in this
     process (:func:`tuning_record`'s format; a choice's config is ``{"kwargs": {"BACKEND": name}}``)."""
-    return _autotuner.tuning_records() + _choices.choice_records()
+    return _kernel_records() + choice_records()

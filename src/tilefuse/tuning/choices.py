@@ -43,7 +43,7 @@ class ChoiceKey(tuple):
     def text(self) -> str:
         fields = dict(self)
         dtype = fields.pop("dtype", None)
-        head = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items())
+        head = " ".join(f"{k}={autotuner._value_text(v)}" for k, v in fields.items())
         return head + ("" if dtype is None else f" dtypes={str(dtype).replace('torch.', '')}")
 
 
@@ -63,11 +63,19 @@ class BackendChoice:
         self.name, self.candidates = name, tuple(candidates)
         self.cache: dict = {}  # (allowed candidates, key text) -> candidate
         self.records: dict[str, dict] = {}  # key text -> how this process chose
+        self._allowed: dict = {}  # (mode, available) -> allowed candidates
         self._lock = threading.Lock()
         _CHOICES[name] = self
 
     def allowed(self, mode: str, available) -> tuple[str, ...]:
-        """The candidates a call may take under backend ``mode`` among ``available`` (those its semantics allow)."""
+        """The candidates a call may take under backend ``mode`` among ``available`` (those its semantics allow);
+        asked on every call that does not replay, hence kept per (mode, available)."""
+        found = self._allowed.get((mode, available))
+        if found is None:
+            found = self._allowed[(mode, available)] = self._allowed_among(mode, tuple(available))
+        return found
+
+    def _allowed_among(self, mode: str, available: tuple) -> tuple[str, ...]:
         unknown = set(available) - set(self.candidates)
         if unknown:
             raise ValueError(f"{self.name}: unknown candidates {sorted(unknown)}")

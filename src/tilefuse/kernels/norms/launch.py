@@ -280,7 +280,9 @@ def _backward_chosen(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute
             return _backward_torch(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path)
         return _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path)
 
-    available = (tuning.TILEFUSE, TORCH) if _torch_takes(h2d, weight, dy2d) else (tuning.TILEFUSE,)
+    # aten's fused RMSNorm backward has CUDA kernels only.
+    vendor = _torch_takes(h2d, weight, dy2d) and (h2d.is_cuda or not is_rms)
+    available = (tuning.TILEFUSE, TORCH) if vendor else (tuning.TILEFUSE,)
     key = _choice_key(h2d, dh2d, weight, None, is_rms, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db)
     chosen = BACKWARD_CHOICE.choose(mode, available, key, h2d.device, lambda c: fastpath.run_aside(run, c))
     return run(chosen)
@@ -337,7 +339,7 @@ def _backward_torch(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_
     M, N = h2d.shape
     rstd = stats[1].view(M, 1)
     if is_rms:
-        dx, dw = _rms_norm_backward_torch(dy2d, h2d, weight, rstd, compute_dw)
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(dy2d, h2d, [N], rstd, weight, [True, compute_dw])
         grads = [dw] if compute_dw else []
     else:
         dx, dw, _ = torch.ops.aten.native_layer_norm_backward(dy2d, h2d, [N], stats[0].view(M, 1), rstd, weight,
@@ -351,17 +353,3 @@ def _backward_torch(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_
              else torch.empty((0,), dtype=torch.float32, device=h2d.device))
     return dx.contiguous(), parts
 
-
-def _rms_norm_backward_torch(dy2d, h2d, weight, rstd, compute_dw):
-    """(dx, dweight or None) of y = h * rstd * weight: aten's fused kernel where it has one (CUDA), else the
-    same formula in torch ops."""
-    N = h2d.shape[1]
-    if h2d.is_cuda:
-        dx, dw = torch.ops.aten._fused_rms_norm_backward(dy2d, h2d, [N], rstd, weight, [True, compute_dw])
-        return dx, dw
-    h, g = h2d.float(), dy2d.float()
-    xhat = h * rstd
-    gw = g if weight is None else g * weight.float()
-    dx = rstd * (gw - xhat * (gw * xhat).mean(dim=1, keepdim=True))
-    dw = (g * xhat).sum(dim=0) if compute_dw and weight is not None else None
-    return dx.to(h2d.dtype), dw
