@@ -1,6 +1,8 @@
 """The backend an op takes (TILEFUSE_BACKEND, tilefuse.use_backend) and the measured choice between tilefuse's
 kernels and the vendor's composition (tuning.choices), for the families that have a vendor candidate so far:
 norms and softmax."""
+import threading
+
 import pytest
 import torch
 import triton
@@ -28,13 +30,29 @@ def test_backend_comes_from_the_block_then_the_environment(monkeypatch):
     assert runtime.backend() == "vendor"
 
 
-def test_bad_backend_names_are_refused_naming_where_they_came_from(monkeypatch):
+def test_a_block_holds_in_the_threads_autograd_runs_a_backward_on():
+    """On CUDA, autograd runs a backward on its own device thread: a block set per thread (a context variable)
+    would leave that backward on the environment's backend."""
+    seen, before = [], runtime.backend()
+    with tilefuse.use_backend("vendor" if before != "vendor" else "tilefuse"):
+        worker = threading.Thread(target=lambda: seen.append(runtime.backend()))
+        worker.start()
+        worker.join()
+    assert seen == ["vendor" if before != "vendor" else "tilefuse"]
+    assert runtime.backend() == before
+
+
+def test_bad_backend_names_are_refused_naming_where_they_came_from(monkeypatch, device):
     with pytest.raises(ValueError, match="use_backend"):
         with tilefuse.use_backend("cudnn"):
             pass
+    assert runtime.backend() in runtime.BACKENDS  # the refused block left nothing behind
     monkeypatch.setenv("TILEFUSE_BACKEND", "fastest")
+    x = torch.randn(3, 8, device=device)
+    if runtime.execution_path(x) == runtime.REFERENCE:
+        pytest.skip("no launch layer on this path: nothing reads the backend")
     with pytest.raises(ValueError, match="TILEFUSE_BACKEND"):
-        tilefuse.layer_norm(torch.randn(3, 8), 8)
+        tilefuse.layer_norm(x, 8)
 
 
 @pytest.mark.parametrize("mode", ["auto", "tilefuse", "vendor"])

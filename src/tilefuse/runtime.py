@@ -18,7 +18,6 @@ interpreter setting too early) unless no installed distribution is named triton.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib.metadata
 import importlib.util
@@ -66,7 +65,9 @@ def precision_for(dtype: torch.dtype, is_cuda: bool) -> str:
 AUTO, TILEFUSE, VENDOR = "auto", "tilefuse", "vendor"
 BACKENDS = (AUTO, TILEFUSE, VENDOR)
 BACKEND_ENV = "TILEFUSE_BACKEND"
-_BACKEND: contextvars.ContextVar = contextvars.ContextVar("tilefuse_backend", default=None)
+# The use_backend blocks in force, innermost last: process-wide, as torch's own backend flags are, so that the
+# threads autograd runs a CUDA backward on see the block the backward was called in.
+_BACKEND_BLOCKS: list = []
 
 
 def _check_backend(name, what: str) -> str:
@@ -83,19 +84,24 @@ def _backend_from_env(value: str) -> str:
 def backend() -> str:
     """The backend ops take now: the innermost :func:`use_backend` block's, else ``TILEFUSE_BACKEND``
     (default ``auto``). A bad value raises ValueError naming the variable at the first op that asks."""
-    chosen = _BACKEND.get()
-    return chosen if chosen is not None else _backend_from_env(os.environ.get(BACKEND_ENV, AUTO))
+    blocks = _BACKEND_BLOCKS
+    return blocks[-1][0] if blocks else _backend_from_env(os.environ.get(BACKEND_ENV, AUTO))
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
     """``with tilefuse.use_backend("tilefuse"):`` -- ops called inside take that backend (``auto``,
-    ``tilefuse`` or ``vendor``), whatever ``TILEFUSE_BACKEND`` says; per thread and per asyncio task."""
-    token = _BACKEND.set(_check_backend(name, "use_backend's name"))
+    ``tilefuse`` or ``vendor``), whatever ``TILEFUSE_BACKEND`` says. Process-wide while the block runs, like
+    ``torch.backends`` flags: a backward that autograd runs on its own device thread takes it too."""
+    block = [_check_backend(name, "use_backend's name")]  # a list: its own identity, removed exactly
+    _BACKEND_BLOCKS.append(block)
     try:
         yield
     finally:
-        _BACKEND.reset(token)
+        for i in range(len(_BACKEND_BLOCKS) - 1, -1, -1):
+            if _BACKEND_BLOCKS[i] is block:
+                del _BACKEND_BLOCKS[i]
+                break
 
 
 _DEVICE_FACTS: dict = {}
