@@ -46,15 +46,37 @@ def _recording():
     def get_cache_key(src, backend, options, env_vars):
         key = original(src, backend, options, env_vars)
         keys.setdefault(getattr(src, "name", "?"), []).append(key)
+        parts.setdefault(getattr(src, "name", "?"), []).append(_key_parts(src, backend, options, env_vars))
         return key
 
     keys: dict = {}
+    parts: dict = {}
     compiler.get_cache_key = get_cache_key
     built_keys.append(keys)
+    built_parts.append(parts)
     return built
 
 
+def _key_parts(src, backend, options, env_vars) -> dict:
+    """The pieces triton hashes into the key, each as text: the source's (the function's cache_key, the
+    attributes, the signature, each constant's key text), the backend's, every option, the environment."""
+    fn = getattr(src, "fn", None)
+    get_key = lambda v: v.cache_key if hasattr(v, "cache_key") else str(v)  # noqa: E731 - triton's rule
+    out = {"backend": backend.hash(), "env": str(sorted(env_vars.items()))}
+    if fn is not None:
+        out["fn.cache_key"] = fn.cache_key
+        out["fn.used_global_vals"] = str([(k[0], str(v[0])) for k, v in getattr(fn, "used_global_vals", {}).items()])
+        out["attrs"] = str(src.attrs)
+        out["signature"] = str([v for k, v in sorted(src.signature.items())])
+        for k, v in sorted(src.constants.items()):
+            out[f"constant {k}"] = get_key(v)
+    for k, v in sorted(options.__dict__.items()):
+        out[f"option {k}"] = str(v)
+    return out
+
+
 built_keys: list = []
+built_parts: list = []
 
 
 def _backend_facts() -> dict:
@@ -67,7 +89,7 @@ def worker(op: str, row: int) -> dict:
     built = _recording()
     from tilefuse.harness import report
     report.prepare_op(op, True, 1, [row], None, report.QUICK_SKIPPED_ANCHORS)
-    return {"built": built, "cache_keys": built_keys[0], **_backend_facts()}
+    return {"built": built, "cache_keys": built_keys[0], "key_parts": built_parts[0], **_backend_facts()}
 
 
 def main(argv=None) -> int:
@@ -86,7 +108,7 @@ def main(argv=None) -> int:
     timed = report.speed_for_case(spec, spec.bench_cases[row], ceilings, None, report.QUICK_SKIPPED_ANCHORS)
     print(json.dumps({"op": op, "row": timed["case"], "worker_seconds": round(worker_seconds, 1),
                       "row_seconds": round(time.perf_counter() - started, 1), "step_seconds": timed["step_seconds"],
-                      "worker_backend": {k: v for k, v in from_worker.items() if k not in ("built", "cache_keys")},
+                      "worker_backend": {k: v for k, v in from_worker.items() if k not in ("built", "cache_keys", "key_parts")},
                       "timing_backend": _backend_facts(), "worker_kernels": len(from_worker["built"])}))
     mine = built_keys[0]
     for name, texts in mine.items():  # where the disk-cache key text of a kernel differs from the worker's
@@ -98,6 +120,14 @@ def main(argv=None) -> int:
             nearest = min(theirs, key=lambda t: sum(a != b for a, b in zip(ours, t.split("-"))))
             print(json.dumps({"kernel": name, "key_parts_differing": [
                 [a, b] for a, b in zip(ours, nearest.split("-")) if a != b][:6]}))
+    for name, pieces in built_parts[0].items():  # which named piece of the key differs, in full
+        theirs = from_worker["key_parts"].get(name, [])
+        for mine_parts in pieces:
+            if not theirs or mine_parts in theirs:
+                continue
+            nearest = min(theirs, key=lambda t: sum(t.get(k) != v for k, v in mine_parts.items()))
+            print(json.dumps({"kernel": name, "pieces_differing": {
+                k: [v, nearest.get(k)] for k, v in mine_parts.items() if nearest.get(k) != v}}))
     by_spec = {b["specialization"]: b for b in from_worker["built"]}
     by_kernel: dict = {}
     for b in from_worker["built"]:
