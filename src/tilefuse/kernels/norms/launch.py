@@ -342,9 +342,15 @@ def _backward_torch(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_
         dx, dw = torch.ops.aten._fused_rms_norm_backward(dy2d, h2d, [N], rstd, weight, [True, compute_dw])
         grads = [dw] if compute_dw else []
     else:
-        dx, dw, _ = torch.ops.aten.native_layer_norm_backward(dy2d, h2d, [N], stats[0].view(M, 1), rstd, weight,
-                                                              None, [True, compute_dw, False])
-        grads = ([dw] if compute_dw else []) + ([dy2d.sum(dim=0, dtype=torch.float32)] if compute_db else [])
+        # aten sizes dbias by the bias it is given and never reads it: weight (same shape and dtype) stands in,
+        # so dbias comes out of the same kernel instead of a second pass over dy.
+        fused_db = compute_db and weight is not None
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy2d, h2d, [N], stats[0].view(M, 1), rstd, weight,
+                                                               weight if fused_db else None,
+                                                               [True, compute_dw, fused_db])
+        if compute_db and not fused_db:
+            db = dy2d.sum(dim=0, dtype=torch.float32)
+        grads = ([dw] if compute_dw else []) + ([db] if compute_db else [])
     if dh2d is not None:
         dx = dx + dh2d
     launches.record("rms_norm_backward" if is_rms else "layer_norm_backward", path, TORCH,
