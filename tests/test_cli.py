@@ -152,3 +152,26 @@ def test_report_jobs_run_accuracy_in_workers_with_the_same_results(tmp_path, cap
     assert "worker processes" not in (tmp_path / "alone" / "REPORT.md").read_text()
     with pytest.raises(report.ReportArgumentError, match="jobs must be at least 1"):
         run_report(ops=ops, quick=True, out_dir=tmp_path / "bad", show_progress=False, jobs=0)
+
+
+def test_report_workers_take_each_row_as_a_task_of_its_own(monkeypatch):
+    """An op whose rows compile for minutes (attention: torch.compile and FlexAttention anchors per row) must
+    spread its rows over the pool: one task per op's accuracy and, on a GPU, one per row, heaviest first."""
+    from tilefuse import registry
+    from tilefuse.harness import report
+
+    specs = [registry.get("softmax"), registry.get("attention")]
+    index = {"softmax": [0, 1], "attention": [0, 1, 2]}
+    weights = {"softmax": (6.0, [12.0, 12.0]), "attention": (9.0, [28.0, 20.0, 24.0])}
+    on_cpu = report.prepare_tasks(specs, index, weights)
+    assert [(t[0], t[1], t[2]) for t in on_cpu] == [("attention", True, []), ("softmax", True, [])]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tasks = report.prepare_tasks(specs, index, weights)
+    assert sorted((t[0], tuple(t[2])) for t in tasks if not t[1]) == [
+        ("attention", (0,)), ("attention", (1,)), ("attention", (2,)), ("softmax", (0,)), ("softmax", (1,))]
+    assert [t[3] for t in tasks] == sorted((t[3] for t in tasks), reverse=True)
+    merged = report.merge_prepared([
+        {"accuracy": ["a"], "accuracy_seconds": 2.0, "prepare_seconds": 2.5, "not_warmed": [], "tuning": [1]},
+        {"accuracy": [], "accuracy_seconds": 0.0, "prepare_seconds": 4.0, "not_warmed": ["row"], "tuning": [2]}])
+    assert merged == {"accuracy": ["a"], "accuracy_seconds": 2.0, "prepare_seconds": 6.5, "not_warmed": ["row"],
+                      "tuning": [1, 2]}

@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                    "so each row's config is measured against the whole current space")
     r.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="worker processes that run the accuracy cases and each row's first (compiling) call "
-                   "before the timing, which runs alone (default on a GPU: one per op, up to the cores plus two, "
+                   "before the timing, which runs alone (default on a GPU: one per task -- an op's accuracy, a row's "
+                   "first call -- up to the cores plus two, "
                    "at most 20; on a CPU 1; 1 runs everything in this process)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     t = sub.add_parser("tune", help="autotune the kernels behind ops on this GPU and store the winners")

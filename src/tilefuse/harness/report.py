@@ -221,12 +221,14 @@ def warm_row(spec: OpSpec, params: dict, anchor_filter, skipped=()) -> None:
     torch.cuda.synchronize()
 
 
-def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anchor_filter, skipped) -> dict:
-    """What a ``--jobs`` worker process does for one op before any timing: its accuracy cases, then
-    :func:`warm_row` for each benchmark row it will time (GPU only). A kernel key with no stored config
-    runs its first config untuned (:func:`tuning.tune_missing_keys`): workers share the GPU, so their
-    timings would measure each other; for a row's key it also compiles the rest of the space, which the
-    timing process then tunes from Triton's disk cache. Returns the accuracy rows and the configs they used."""
+def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anchor_filter, skipped,
+               accuracy: bool = True) -> dict:
+    """What a ``--jobs`` worker process does for one task of an op before any timing: its accuracy cases
+    (``accuracy``), then :func:`warm_row` for each benchmark row of ``bench_indices`` (GPU only). A kernel key
+    with no stored config runs its first config untuned (:func:`tuning.tune_missing_keys`): workers share the
+    GPU, so their timings would measure each other; for a row's key it also compiles the rest of the space,
+    which the timing process then tunes from Triton's disk cache. Returns the accuracy rows and the configs
+    they used."""
     tuning.tune_missing_keys(False)
     # The workers already fill the cores: one CPU thread each for torch (idle OpenMP threads spin) and a
     # small compile pool for Inductor.
@@ -237,7 +239,7 @@ def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anc
     spec = registry.get(name)
     before = _record_keys()
     started = time.perf_counter()
-    accuracy = accuracy_for_op(spec, seeds, None, quick)
+    rows = accuracy_for_op(spec, seeds, None, quick) if accuracy else []
     accuracy_seconds = time.perf_counter() - started
     warm_notes = []
     if torch.cuda.is_available():
@@ -249,19 +251,39 @@ def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anc
             except torch.OutOfMemoryError:  # other workers hold memory too: the timing process compiles it
                 warm_notes.append(spec.label(spec.bench_cases[i]))
             torch.cuda.empty_cache()
-    return {"accuracy": accuracy, "accuracy_seconds": round(accuracy_seconds, 1),
+    return {"accuracy": rows, "accuracy_seconds": round(accuracy_seconds, 1),
             "prepare_seconds": round(time.perf_counter() - started, 1), "not_warmed": warm_notes,
             "tuning": [r for r in tuning.tuning_records() if (r["kernel"], r["key"]) not in before]}
 
 
-def default_jobs(n_ops: int) -> int:
-    """Worker processes for ``tilefuse report`` by default: on a GPU one per op, up to the cores plus
-    two and at most 20 (a worker spends most of its time compiling on one core, and the op that
-    compiles the most bounds the phase, so every op starts at once where the cores allow); on a CPU 1
-    (the interpreter is the work, and the machine's cores are few)."""
+def prepare_tasks(specs, bench_index: dict, weights: dict) -> list[tuple[str, bool, list[int], float]]:
+    """The workers' tasks: per op one that runs its accuracy cases, and one per benchmark row it warms
+    (GPU only), so that an op whose rows compile for minutes (attention's torch.compile and FlexAttention
+    anchors) spreads over the pool instead of bounding the phase in one worker. Each task is (op, runs its
+    accuracy, row indices, weight), heaviest first, so the longest ones start at once."""
+    tasks = [(s.name, True, [], weights[s.name][0]) for s in specs]
+    if torch.cuda.is_available():
+        tasks += [(s.name, False, [i], w) for s in specs for i, w in zip(bench_index[s.name], weights[s.name][1])]
+    return sorted(tasks, key=lambda t: -t[3])
+
+
+def merge_prepared(parts: list[dict]) -> dict:
+    """One op's worker results (its tasks' :func:`prepare_op` returns, the accuracy task's first) as one:
+    ``prepare_seconds`` is the worker time its tasks took together."""
+    first = parts[0]
+    return {"accuracy": first["accuracy"], "accuracy_seconds": first["accuracy_seconds"],
+            "prepare_seconds": round(sum(p["prepare_seconds"] for p in parts), 1),
+            "not_warmed": [n for p in parts for n in p["not_warmed"]],
+            "tuning": [r for p in parts for r in p["tuning"]]}
+
+
+def default_jobs(n_tasks: int) -> int:
+    """Worker processes for ``tilefuse report`` by default: on a GPU one per task (see :func:`prepare_tasks`),
+    up to the cores plus two and at most 20 (a worker spends most of its time compiling on one core); on a
+    CPU 1 (the interpreter is the work, and the machine's cores are few)."""
     if not torch.cuda.is_available():
         return 1
-    return max(1, min(n_ops, (os.cpu_count() or 2) + 2, 20))
+    return max(1, min(n_tasks, (os.cpu_count() or 2) + 2, 20))
 
 
 def describe_launches(records) -> str:
@@ -390,16 +412,12 @@ def _clock(seconds: float) -> str:
 def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filter=None,
                show_progress=True, dtypes=None, case_filter=None, jobs=None) -> dict:
     """Every selected op's accuracy, then its benchmark rows. With ``jobs`` above 1 (a GPU's default, see
-    :func:`default_jobs`) a pool of that many processes first runs each op's accuracy cases and the first,
-    compiling call of its rows (:func:`prepare_op`); the rows are then timed here, one at a time, with
-    the pool gone, so no timing shares the GPU."""
+    :func:`default_jobs`) a pool of that many processes first runs each op's accuracy cases and, as tasks of
+    their own, the first, compiling call of each row (:func:`prepare_tasks`, :func:`prepare_op`); the rows are
+    then timed here, one at a time, with the pool gone, so no timing shares the GPU."""
     on_gpu = torch.cuda.is_available()
     seeds = seeds or (QUICK_SEEDS if quick else 20 if on_gpu else 3)
     specs = [registry.get(n) for n in ops] if ops else list(registry.REGISTRY.values())
-    jobs = default_jobs(len(specs)) if jobs is None else jobs
-    if jobs < 1:
-        raise ReportArgumentError(f"jobs must be at least 1, got {jobs}")
-    jobs = min(jobs, len(specs))
 
     def selected(spec, params):
         return ((dtypes is None or dtype_name(params["dtype"]) in dtypes)
@@ -412,6 +430,17 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
         bench_index = {name: cases[:QUICK_ROWS] for name, cases in bench_index.items()}
     bench_plan = {s.name: [s.bench_cases[i] for i in bench_index[s.name]] for s in specs}
     skipped = () if anchor_filter or not quick else QUICK_SKIPPED_ANCHORS
+
+    def row_weight(spec, params):
+        return _Progress.ROW + _Progress.ANCHOR * len(_running_anchors(spec, params, anchor_filter, skipped))
+    row_weights = {s.name: [row_weight(s, p) if on_gpu else 0.0 for p in bench_plan[s.name]] for s in specs}
+    accuracy_weight = {s.name: len(accuracy_cases(s, quick)) * seeds * _Progress.SEED for s in specs}
+    tasks = prepare_tasks(specs, bench_index, {s.name: (accuracy_weight[s.name], row_weights[s.name])
+                                               for s in specs})
+    jobs = default_jobs(len(tasks)) if jobs is None else jobs
+    if jobs < 1:
+        raise ReportArgumentError(f"jobs must be at least 1, got {jobs}")
+    jobs = min(jobs, len(tasks))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {},
@@ -419,27 +448,33 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     ceilings_started = time.perf_counter()
     result["ceilings"] = measure_ceilings() if on_gpu else {}
     result["ceilings_seconds"] = round(time.perf_counter() - ceilings_started, 1)
-
-    def row_weight(spec, params):
-        return _Progress.ROW + _Progress.ANCHOR * len(_running_anchors(spec, params, anchor_filter, skipped))
-    row_weights = {s.name: [row_weight(s, p) if on_gpu else 0.0 for p in bench_plan[s.name]] for s in specs}
-    accuracy_weight = {s.name: len(accuracy_cases(s, quick)) * seeds * _Progress.SEED for s in specs}
     started = time.perf_counter()
     prepared = {}
     if jobs > 1:
-        with _Progress(sum(accuracy_weight.values()), len(specs), show_progress) as progress:
-            progress.note(f"accuracy and each row's first call of {len(specs)} ops in {jobs} worker processes")
+        with _Progress(sum(t[3] for t in tasks), len(specs), show_progress) as progress:
+            progress.note(f"accuracy and each row's first call of {len(specs)} ops in {jobs} worker processes "
+                          f"({len(tasks)} tasks)")
             context = multiprocessing.get_context("spawn")  # a CUDA context does not survive fork
             with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-                pending = {pool.submit(prepare_op, s.name, quick, seeds, bench_index[s.name], anchor_filter,
-                                       skipped): s.name for s in specs}
+                pending = {pool.submit(prepare_op, name, quick, seeds, rows, anchor_filter, skipped, accuracy):
+                           (name, accuracy, weight) for name, accuracy, rows, weight in tasks}
+                parts: dict = {s.name: [] for s in specs}
+                left = {s.name: sum(1 for t in tasks if t[0] == s.name) for s in specs}
                 for future in as_completed(pending):
-                    name = pending[future]
-                    prepared[name] = future.result()
-                    progress.advance(accuracy_weight[name])
-                    running = [n for f, n in pending.items() if not f.done()]
-                    progress.op(name, f"accuracy done in a worker ({prepared[name]['prepare_seconds']}s)"
-                                + (f"; still running: {', '.join(running[:jobs])}" if running else ""))
+                    name, accuracy, weight = pending[future]
+                    part = future.result()
+                    if accuracy:
+                        parts[name].insert(0, part)
+                    else:
+                        parts[name].append(part)
+                    progress.advance(weight)
+                    left[name] -= 1
+                    if left[name]:
+                        continue
+                    prepared[name] = merge_prepared(parts[name])
+                    running = [n for n, k in left.items() if k]
+                    progress.op(name, f"accuracy done in a worker ({prepared[name]['prepare_seconds']}s of worker "
+                                      f"time)" + (f"; still running: {', '.join(running[:jobs])}" if running else ""))
         result["prepare_seconds"] = round(time.perf_counter() - started, 1)
     total = sum(sum(w) for w in row_weights.values())
     if not prepared:
