@@ -55,11 +55,25 @@ def test_bad_backend_names_are_refused_naming_where_they_came_from(monkeypatch, 
         tilefuse.layer_norm(x, 8)
 
 
-@pytest.mark.parametrize("mode", ["auto", "tilefuse", "vendor"])
-@pytest.mark.parametrize("name", VENDOR_OPS)
-def test_ops_match_float64_under_each_backend_and_say_which_ran(name, mode, device):
+VENDOR_KERNELS = {"torch", "cublas", "cublaslt_epilogue"}  # the launch records' names of vendor compositions
+SMALL_LINEAR = dict(shape=(33, 70, 45), dtype=torch.bfloat16, bias=True)
+VENDOR_CASES = [(name, None) for name in VENDOR_OPS] + [
+    # linear: cuBLASLt's epilogue takes relu and tanh-GELU with a bias (CUDA: on the CPU torch's op applies the erf
+    # GELU); every other activation, or no bias, F.linear then torch's activation in place
+    ("linear", dict(SMALL_LINEAR, activation=a)) for a in ("relu", "gelu_tanh", "gelu", "silu", None)] + [
+    ("linear", dict(SMALL_LINEAR, activation="relu", bias=False)),
+    ("linear", dict(SMALL_LINEAR, dtype=torch.float32, activation="gelu_tanh"))]
+
+
+# linear's cases under auto and tilefuse run tilefuse's kernels, as the registry's grid does already
+BACKEND_CASES = [(name, case, mode) for name, case in VENDOR_CASES for mode in ("auto", "tilefuse", "vendor")
+                 if case is None or mode == "vendor"]
+
+
+@pytest.mark.parametrize("name,case,mode", BACKEND_CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_ops_match_float64_under_each_backend_and_say_which_ran(name, case, mode, device):
     spec = registry.get(name)
-    params = spec.accuracy_cases["gpu" if device.type == "cuda" else "cpu"][0]
+    params = case or spec.accuracy_cases["gpu" if device.type == "cuda" else "cpu"][0]
     with tilefuse.use_backend(mode), launches.recording() as recs:
         check_against_reference(spec, params, device, seed=3)
     kernels = {r.kernel for r in recs if r.path != runtime.REFERENCE}
@@ -68,10 +82,13 @@ def test_ops_match_float64_under_each_backend_and_say_which_ran(name, mode, devi
     if mode == "vendor":
         # aten's fused RMSNorm backward has CUDA kernels only: elsewhere that backward stays tilefuse's.
         tilefuse_only = {"rms_norm_backward"} if device.type != "cuda" else set()
-        assert {r.kernel for r in recs if r.op not in tilefuse_only} == {"torch"}, recs
+        assert {r.kernel for r in recs if r.op not in tilefuse_only} <= VENDOR_KERNELS, recs
+        if name == "linear":
+            epilogue = device.type == "cuda" and case["bias"] and case["activation"] in ("relu", "gelu_tanh")
+            assert {r.kernel for r in recs} <= ({"cublaslt_epilogue", "cublas"} if epilogue else {"cublas"}), recs
         assert all(r.kernel == "" for r in recs if r.op in tilefuse_only), recs
     elif mode == "tilefuse" or device.type == "cpu" or not tuning.autotune_enabled():
-        assert "torch" not in kernels, recs  # auto measures only on a GPU with tuning on
+        assert not kernels & VENDOR_KERNELS, recs  # auto measures only on a GPU with tuning on
 
 
 def test_vendor_norm_with_mixed_parameter_dtypes_takes_tilefuses_kernel(device):

@@ -301,10 +301,28 @@ def _stream(device: torch.device) -> int:
 # ---- entries ---------------------------------------------------------------------------------------
 def linear(x, weight, bias, activation, path, save_slope=False):
     """``act(x @ weight^T + bias)`` for x [..., K] (any strides), weight [N, K], bias [N] dense or None.
-    ``save_slope`` (training, with an activation): returns (y, slope), slope = act'(pre) in y's layout."""
+    ``save_slope`` (training, with an activation): returns (y, slope), slope = act'(pre) in y's layout.
+    Runs tilefuse's kernels or a cuBLAS composition (see :data:`LINEAR_CHOICE`)."""
     precision = precision_for(x.dtype, x.is_cuda)
-    return _LINEAR.run((x, weight, bias), (activation, precision, save_slope),
-                       lambda: _linear(x, weight, bias, None, None, activation, precision, path, save_slope))
+    mode = runtime.backend()
+    return _LINEAR.run((x, weight, bias), (activation, precision, save_slope, mode),
+                       lambda: _linear_chosen(x, weight, bias, activation, precision, path, save_slope, mode))
+
+
+def _linear_chosen(x, weight, bias, activation, precision, path, save_slope, mode):
+    def run(candidate):
+        if candidate == tuning.TILEFUSE:
+            return _linear(x, weight, bias, None, None, activation, precision, path, save_slope)
+        return _linear_vendor(candidate, x, weight, bias, activation, path)
+
+    available = _linear_candidates(x, bias, activation, save_slope)
+    if len(available) == 1:
+        return run(available[0])
+    N, K = weight.shape
+    key = tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K, HAS_BIAS=bias is not None,
+                           ACTIVATION=activation, INPUT_PRECISION=precision, dtype=x.dtype)
+    chosen = LINEAR_CHOICE.choose(mode, available, key, x.device, lambda c: fastpath.run_aside(run, c))
+    return run(chosen)
 
 
 def gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path, save_slope=False):
@@ -350,6 +368,43 @@ def _linear(x, w, b, w_up, b_up, activation, precision, path, save_slope):
     launches.record("linear", path, "portable" if split_k == 1 else f"split-k {split_k}",
                     lambda: tuning.describe(cfg))
     return out
+
+
+# ---- the vendor candidates of linear's forward ------------------------------------------------------
+# Same outputs as tilefuse's: y [..., N] contiguous in x's dtype; fp32 follows the same TF32 flag (torch's matmul
+# reads it as the kernels' precision_for does). The training forward (save_slope) stays tilefuse's: its slope
+# output has no vendor counterpart in one pass.
+CUBLASLT_EPILOGUE = "cublaslt_epilogue"  # torch._addmm_activation: cuBLASLt's bias + ReLU / tanh-GELU epilogue
+CUBLAS = "cublas"  # F.linear (bias in cuBLAS's epilogue), then torch's activation kernel in place on y
+LINEAR_CHOICE = tuning.BackendChoice("linear_forward_backend", (tuning.TILEFUSE, CUBLASLT_EPILOGUE, CUBLAS))
+# cuBLASLt's GELU epilogue is the tanh form, so it stands in for gelu_tanh only, never for the erf gelu. CUDA only:
+# the same op on the CPU applies the erf form.
+_EPILOGUE_ACTIVATIONS = {"relu": False, "gelu_tanh": True}  # activation -> use_gelu
+_IN_PLACE = {"gelu": lambda y: torch.ops.aten.gelu_(y),
+             "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"),
+             "relu": torch.relu_, "silu": lambda y: torch.nn.functional.silu(y, inplace=True)}
+
+
+def _linear_candidates(x, bias, activation, save_slope) -> tuple[str, ...]:
+    if save_slope:
+        return (tuning.TILEFUSE,)
+    if x.is_cuda and bias is not None and activation in _EPILOGUE_ACTIVATIONS:
+        return (tuning.TILEFUSE, CUBLASLT_EPILOGUE, CUBLAS)
+    return (tuning.TILEFUSE, CUBLAS)
+
+
+def _linear_vendor(candidate, x, weight, bias, activation, path):
+    if candidate == CUBLASLT_EPILOGUE:
+        x2d = x.reshape(-1, x.shape[-1])
+        y = torch._addmm_activation(bias, x2d, weight.t(), use_gelu=_EPILOGUE_ACTIVATIONS[activation])
+        y = y.view(*x.shape[:-1], weight.shape[0])
+        launches.record("linear", path, CUBLASLT_EPILOGUE, "torch._addmm_activation")
+        return y
+    y = torch.nn.functional.linear(x, weight, bias).contiguous()
+    if activation is not None:
+        _IN_PLACE[activation](y)
+    launches.record("linear", path, CUBLAS, "F.linear" + (f" then {activation} in place" if activation else ""))
+    return y
 
 
 def _launch_portable(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K, activation, input_precision,
