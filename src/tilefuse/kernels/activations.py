@@ -7,6 +7,8 @@ is written so that NaN falls through to ``x``). ``tanh`` is written through ``si
 import triton
 import triton.language as tl
 
+from tilefuse.kernels import cache_keys
+
 
 # Globals read inside @triton.jit must be tl.constexpr (the compiler refuses plain floats; the
 # interpreter does not check, so this is only caught on a GPU).
@@ -125,3 +127,6 @@ def gated_slopes(gate, up, ACTIVATION: tl.constexpr):
         tl.static_assert(ACTIVATION == "geglu_tanh", "unknown gated activation")
         act, grad = gelu_tanh(gate), gelu_tanh_grad(gate)
     return up * grad, act
+
+
+cache_keys.settle(globals())

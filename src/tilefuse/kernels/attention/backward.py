@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tilefuse.kernels import cache_keys
 from tilefuse.kernels.activations import tanh
 from tilefuse.kernels.attention.common import key_tile_ranges, score_modifiers, varlen_sequence
 
@@ -304,3 +305,6 @@ def attention_bwd_dq_kernel(
     dq = dq * scale
     tl.store(_tile_ptrs(dq_ptr, b, h, stride_dqb, stride_dqh, row0_q + offs_m, stride_dqm, offs_d, stride_dqd),
              dq.to(dq_ptr.dtype.element_ty), mask=qm)
+
+
+cache_keys.settle(globals())

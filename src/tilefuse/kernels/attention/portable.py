@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tilefuse.kernels import cache_keys
 from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head, score_modifiers, varlen_sequence
 # A finite additive mask below this would overflow to -inf once multiplied by log2(e); clamping keeps
 # Hugging Face's finfo.min padding finite (a fully masked row then averages uniformly, as torch does).
@@ -244,3 +245,6 @@ def attention_fwd_kernel(
         o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
                   + (row0_q + offs_m).to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
         tl.store(o_ptrs, out, mask=mask_m[:, None] & mask_d[None, :])
+
+
+cache_keys.settle(globals())

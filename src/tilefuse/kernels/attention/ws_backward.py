@@ -28,6 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from tilefuse.kernels import cache_keys
 from tilefuse.kernels.wgmma import accumulator_layout, register_operand_layout
 
 KEYS = 64  # keys per consumer warpgroup: a CTA's key block is 2 * KEYS
@@ -315,3 +316,6 @@ def attention_bwd_dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
         (_dq_consumer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 1)),
         (_dq_producer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+cache_keys.settle(globals())

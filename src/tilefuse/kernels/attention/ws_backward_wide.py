@@ -27,6 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from tilefuse.kernels import cache_keys
 from tilefuse.kernels.attention.ws_backward import (BLOCK_M, CONSUMER_REGS, LOG2E, PRODUCER_REGS, _fill_slot,
                                                     _query_range)
 from tilefuse.kernels.wgmma import accumulator_layout, register_operand_layout
@@ -168,3 +169,6 @@ def attention_bwd_dkdv_wide_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
         (_consumer, (descs, bufs, bars, params, HAS_RIGHT, 1)),
         (_producer, (descs, bufs, bars, params, HAS_RIGHT, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+cache_keys.settle(globals())

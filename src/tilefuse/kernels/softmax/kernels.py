@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tilefuse.kernels import cache_keys
+
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(z) = exp2(z * log2(e)): ex2 is the hardware unit
 
 
@@ -344,3 +346,6 @@ def softmax_bwd_split_write_kernel(
     lo = pid_s * SEG_LEN
     _write_grad(y_rows, dy_rows, dx_rows, mask_m, lo, tl.minimum(lo + SEG_LEN, N), stride_yn,
                 stride_dyn, stride_dxn, dot, WIDE, BLOCK_N)
+
+
+cache_keys.settle(globals())

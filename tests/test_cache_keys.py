@@ -1,0 +1,39 @@
+"""Triton's disk-cache key of every tilefuse kernel is the same whichever kernel a process keys first
+(kernels/cache_keys.py): otherwise a kernel compiled in one process (a report worker) is compiled again in the next."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+KEYS = r'''
+import importlib, json, pathlib, sys
+import tilefuse.kernels as kernels
+from triton.runtime.jit import JITFunction
+root = pathlib.Path(kernels.__path__[0])
+names = sorted("tilefuse.kernels." + ".".join(p.relative_to(root).with_suffix("").parts)
+               for p in root.rglob("*.py") if p.name != "__init__.py")
+fns = {}
+for name in names:
+    module = importlib.import_module(name)
+    for attr, value in vars(module).items():
+        if isinstance(value, JITFunction) and value.__module__ == name:
+            fns[f"{name}.{attr}"] = value
+order = sorted(fns, reverse=sys.argv[1] == "reverse")
+print(json.dumps({n: fns[n].cache_key for n in order}))
+'''
+
+
+def _keys(order: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter has no cache keys
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", KEYS, order], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_every_kernels_key_is_the_same_whichever_is_keyed_first():
+    forward, reverse = _keys("forward"), _keys("reverse")
+    assert len(forward) > 50  # every kernel and helper of the package was found
+    differ = sorted(n for n in forward if forward[n] != reverse[n])
+    assert not differ, differ
