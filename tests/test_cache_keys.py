@@ -25,15 +25,19 @@ print(json.dumps({n: fns[n].cache_key for n in order}))
 '''
 
 
-def _keys(order: str) -> dict:
+def _keys(*orders: str) -> list[dict]:
+    """Each order's keys, from processes of their own run side by side."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter has no cache keys
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", KEYS, order], env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.splitlines()[-1])
+    runs = [subprocess.Popen([sys.executable, "-c", KEYS, order], env=env, stdout=subprocess.PIPE, text=True)
+            for order in orders]
+    outs = [run.communicate()[0] for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    return [json.loads(out.splitlines()[-1]) for out in outs]
 
 
 def test_every_kernels_key_is_the_same_whichever_is_keyed_first():
-    forward, reverse = _keys("forward"), _keys("reverse")
+    forward, reverse = _keys("forward", "reverse")
     assert len(forward) > 50  # every kernel and helper of the package was found
     differ = sorted(n for n in forward if forward[n] != reverse[n])
     assert not differ, differ
