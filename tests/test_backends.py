@@ -62,7 +62,12 @@ VENDOR_CASES = [(name, None) for name in VENDOR_OPS] + [
     # GELU); every other activation, or no bias, F.linear then torch's activation in place
     ("linear", dict(SMALL_LINEAR, activation=a)) for a in ("relu", "gelu_tanh", "gelu", "silu", None)] + [
     ("linear", dict(SMALL_LINEAR, activation="relu", bias=False)),
-    ("linear", dict(SMALL_LINEAR, dtype=torch.float32, activation="gelu_tanh"))]
+    ("linear", dict(SMALL_LINEAR, dtype=torch.float32, activation="gelu_tanh"))] + [
+    # gated: cuBLAS's GEMM over the stacked weight (both weight forms of the registry are halves of one tensor),
+    # then the gate kernel
+    ("gated_linear", dict(SMALL_LINEAR, activation="swiglu")),
+    ("gated_linear", dict(SMALL_LINEAR, activation="geglu", weight_form="concat", dtype=torch.float16)),
+    ("gated_linear", dict(SMALL_LINEAR, activation="geglu_tanh", bias=False, dtype=torch.float32))]
 
 
 # linear's cases under auto and tilefuse run tilefuse's kernels, as the registry's grid does already
@@ -83,12 +88,29 @@ def test_ops_match_float64_under_each_backend_and_say_which_ran(name, case, mode
         # aten's fused RMSNorm backward has CUDA kernels only: elsewhere that backward stays tilefuse's.
         tilefuse_only = {"rms_norm_backward"} if device.type != "cuda" else set()
         assert {r.kernel for r in recs if r.op not in tilefuse_only} <= VENDOR_KERNELS, recs
+        if name == "gated_linear":
+            assert [r.config for r in recs] == [f"F.linear over the stacked weight, then the {case['activation']} "
+                                                "gate kernel"], recs
         if name == "linear":
             epilogue = device.type == "cuda" and case["bias"] and case["activation"] in ("relu", "gelu_tanh")
             assert {r.kernel for r in recs} <= ({"cublaslt_epilogue", "cublas"} if epilogue else {"cublas"}), recs
         assert all(r.kernel == "" for r in recs if r.op in tilefuse_only), recs
     elif mode == "tilefuse" or device.type == "cpu" or not tuning.autotune_enabled():
         assert not kernels & VENDOR_KERNELS, recs  # auto measures only on a GPU with tuning on
+
+
+def test_vendor_gated_linear_over_separate_weights_runs_two_gemms(device):
+    x = torch.randn(2, 9, 40, device=device, dtype=torch.bfloat16)
+    w_gate, w_up = (torch.randn(24, 40, device=device, dtype=torch.bfloat16) / 6 for _ in range(2))
+    b_gate, b_up = (torch.randn(24, device=device, dtype=torch.bfloat16) for _ in range(2))
+    with tilefuse.use_backend("vendor"), launches.recording() as recs:
+        y = tilefuse.linear(x, (w_gate, w_up), (b_gate, b_up), activation="swiglu")
+    d = [t.double() for t in (x, w_gate, w_up, b_gate, b_up)]
+    ref = torch.nn.functional.silu(d[0] @ d[1].T + d[3]) * (d[0] @ d[2].T + d[4])
+    assert y.shape == (2, 9, 24) and y.dtype == x.dtype
+    assert_close(y, ref, default_tolerance(x.dtype), "swiglu over separate weights, vendor")
+    if runtime.execution_path(x) != runtime.REFERENCE:
+        assert [(r.kernel, r.config) for r in recs] == [("cublas", "F.linear twice, then the swiglu gate kernel")]
 
 
 def test_vendor_norm_with_mixed_parameter_dtypes_takes_tilefuses_kernel(device):

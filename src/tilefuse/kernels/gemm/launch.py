@@ -34,6 +34,7 @@ from tilefuse.kernels import fastpath, launches
 from tilefuse.kernels.gemm import configs, coop
 from tilefuse.kernels.gemm.decode import block_m as decode_block_m
 from tilefuse.kernels.gemm.decode import decode_linear_kernel
+from tilefuse.kernels.gemm.gate import glu_gate_kernel
 from tilefuse.kernels.gemm.backward import grad_input_kernel, grad_weight_kernel, grad_weight_tma_kernel
 from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
@@ -327,10 +328,29 @@ def _linear_chosen(x, weight, bias, activation, precision, path, save_slope, mod
 
 def gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path, save_slope=False):
     """``act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)``, both GEMMs in one kernel. ``save_slope``:
-    returns (y, s_gate, s_up) = (y, up * act'(gate), act(gate)) in y's layout."""
+    returns (y, s_gate, s_up) = (y, up * act'(gate), act(gate)) in y's layout. Runs tilefuse's kernels or
+    cuBLAS's GEMMs and the gate kernel (see :data:`GATED_CHOICE`)."""
     precision = precision_for(x.dtype, x.is_cuda)
-    return _GATED.run((x, w_gate, w_up, b_gate, b_up), (activation, precision, save_slope),
-                      lambda: _linear(x, w_gate, b_gate, w_up, b_up, activation, precision, path, save_slope))
+    mode = runtime.backend()
+    return _GATED.run((x, w_gate, w_up, b_gate, b_up), (activation, precision, save_slope, mode),
+                      lambda: _gated_chosen(x, w_gate, w_up, b_gate, b_up, activation, precision, path, save_slope,
+                                            mode))
+
+
+def _gated_chosen(x, w_gate, w_up, b_gate, b_up, activation, precision, path, save_slope, mode):
+    def run(candidate):
+        if candidate == tuning.TILEFUSE:
+            return _linear(x, w_gate, b_gate, w_up, b_up, activation, precision, path, save_slope)
+        return _gated_vendor(x, w_gate, w_up, b_gate, b_up, activation, path)
+
+    if save_slope:  # the training forward's slopes have no vendor counterpart in one pass
+        return run(tuning.TILEFUSE)
+    N, K = w_gate.shape
+    key = tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K, HAS_BIAS=b_gate is not None,
+                           ACTIVATION=activation, INPUT_PRECISION=precision, STACKED=_stacked(w_gate, w_up),
+                           dtype=x.dtype)
+    chosen = GATED_CHOICE.choose(mode, (tuning.TILEFUSE, CUBLAS), key, x.device, lambda c: fastpath.run_aside(run, c))
+    return run(chosen)
 
 
 def _linear(x, w, b, w_up, b_up, activation, precision, path, save_slope):
@@ -404,6 +424,42 @@ def _linear_vendor(candidate, x, weight, bias, activation, path):
     if activation is not None:
         _IN_PLACE[activation](y)
     launches.record("linear", path, CUBLAS, "F.linear" + (f" then {activation} in place" if activation else ""))
+    return y
+
+
+# The gated forward's vendor candidate: cuBLAS's GEMM -- one over the stacked weight where W_gate and W_up are the
+# two halves of one [2N, K] tensor (and the biases of one [2N]), else one per half -- then the gate kernel (gate.py).
+GATED_CHOICE = tuning.BackendChoice("gated_linear_forward_backend", (tuning.TILEFUSE, CUBLAS))
+GATE_TILE = dict(BLOCK_M=8, BLOCK_N=256, num_warps=4)
+GATE_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=128)
+
+
+def _stacked(first, second) -> bool:
+    """Whether ``second`` continues ``first`` in memory, both dense: the halves of one tensor."""
+    return (first.is_contiguous() and second.is_contiguous() and first.dtype == second.dtype
+            and second.data_ptr() == first.data_ptr() + first.numel() * first.element_size())
+
+
+def _gated_vendor(x, w_gate, w_up, b_gate, b_up, activation, path):
+    N, K = w_gate.shape
+    M = math.prod(x.shape[:-1])
+    x2d = x.reshape(M, K)
+    stacked = _stacked(w_gate, w_up) and (b_gate is None or _stacked(b_gate, b_up))
+    if stacked:
+        h = torch.nn.functional.linear(x2d, w_gate.as_strided((2 * N, K), (K, 1)),
+                                       None if b_gate is None else b_gate.as_strided((2 * N,), (1,)))
+        gate, up = h[:, :N], h[:, N:]
+    else:
+        gate = torch.nn.functional.linear(x2d, w_gate, b_gate)
+        up = torch.nn.functional.linear(x2d, w_up, b_up)
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    interpret = path == runtime.INTERPRETER
+    tile = GATE_INTERPRETER_TILE if interpret else GATE_TILE
+    grid = (cdiv(M, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"]))
+    fastpath.launch(glu_gate_kernel, grid, (gate, up, y, M, N, gate.stride(0), up.stride(0), N),
+                    dict(ACTIVATION=activation, **tile))
+    launches.record("linear", path, CUBLAS, ("F.linear over the stacked weight" if stacked else "F.linear twice")
+                    + f", then the {activation} gate kernel")
     return y
 
 
