@@ -14,7 +14,8 @@ from tilefuse.opspec import default_tolerance
 from tilefuse.kernels import launches
 from tilefuse.tuning import choices
 
-VENDOR_OPS = ["layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward", "softmax", "softmax_backward"]
+VENDOR_OPS = ["layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward", "softmax", "softmax_backward",
+              "layer_norm_linear"]
 
 
 def test_backend_comes_from_the_block_then_the_environment(monkeypatch):
@@ -67,7 +68,10 @@ VENDOR_CASES = [(name, None) for name in VENDOR_OPS] + [
     # then the gate kernel
     ("gated_linear", dict(SMALL_LINEAR, activation="swiglu")),
     ("gated_linear", dict(SMALL_LINEAR, activation="geglu", weight_form="concat", dtype=torch.float16)),
-    ("gated_linear", dict(SMALL_LINEAR, activation="geglu_tanh", bias=False, dtype=torch.float32))]
+    ("gated_linear", dict(SMALL_LINEAR, activation="geglu_tanh", bias=False, dtype=torch.float32))] + [
+    # layer_norm_linear: the norm's entry (its own choice: torch's kernel under vendor), then F.linear and the
+    # activation
+    ("layer_norm_linear", dict(shape=(33, 70, 45), dtype=torch.bfloat16, norm="rms", activation="gelu"))]
 
 
 # linear's cases under auto and tilefuse run tilefuse's kernels, as the registry's grid does already

@@ -214,7 +214,9 @@ class Plans:
         """``full()`` -- the launch module's full path, returning one output tensor or a tuple of them --
         or the replay of the plan an earlier call with this key captured."""
         key = signature(inputs, scalars)
-        if key is None:
+        if key is None or getattr(_local, "capture", None) is not None:
+            # Off the compiled path; or inside another entry's capture (one family's entry calling another's),
+            # whose plan takes these launches as its own.
             return full()
         plan = self._plans.get(key)
         if plan is not None:

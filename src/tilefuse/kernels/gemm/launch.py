@@ -39,6 +39,7 @@ from tilefuse.kernels.gemm.backward import grad_input_kernel, grad_weight_kernel
 from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
 from tilefuse.kernels.gemm.tma import linear_tma_kernel
+from tilefuse.kernels.norms.launch import forward as norm_forward
 from tilefuse.kernels.norms.launch import norm_statistics
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
 from tilefuse.runtime import precision_for
@@ -541,11 +542,38 @@ def layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, ac
     """``act(norm(x) @ weight^T + bias)`` for rows x2d [M, K] (unit column stride, M, K > 0); norm
     parameters [K] dense or None. Returns y [M, N] contiguous, and with ``save_slope`` (y, act'(pre))."""
     precision = precision_for(x2d.dtype, x2d.is_cuda)
+    mode = runtime.backend()
     out = _NORM_LINEAR.run((x2d, norm_weight, norm_bias, weight, bias),
-                           (eps, is_rms, activation, precision, save_slope),
-                           lambda: _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms,
-                                                      activation, precision, path, save_slope))
+                           (eps, is_rms, activation, precision, save_slope, mode),
+                           lambda: _layer_norm_linear_chosen(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms,
+                                                             activation, precision, path, save_slope, mode))
     return out[:2] if save_slope else out[0]
+
+
+def _layer_norm_linear_chosen(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path,
+                              save_slope, mode):
+    def run(candidate):
+        if candidate == tuning.TILEFUSE:
+            return _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision,
+                                      path, save_slope)
+        y, _ = norm_forward(x2d, None, norm_weight, norm_bias, eps, is_rms, path)
+        return (_linear_vendor(CUBLAS, y, weight, bias, activation, path),)
+
+    if save_slope:  # the training forward's slope has no vendor counterpart in one pass
+        return run(tuning.TILEFUSE)
+    (M, K), N = x2d.shape, weight.shape[0]
+    key = tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(M), N=N, K=K, IS_RMS=is_rms, HAS_GAMMA=norm_weight is not None,
+                           HAS_BETA=norm_bias is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
+                           INPUT_PRECISION=precision, dtype=x2d.dtype)
+    chosen = NORM_LINEAR_CHOICE.choose(mode, (tuning.TILEFUSE, NORM_THEN_CUBLAS), key, x2d.device,
+                                       lambda c: fastpath.run_aside(run, c))
+    return run(chosen)
+
+
+# layer_norm_linear's vendor candidate: the norm (the norms family's entry, which makes its own choice between
+# tilefuse's kernel and torch's), then linear's cuBLAS composition on its output.
+NORM_THEN_CUBLAS = "norm_then_cublas"
+NORM_LINEAR_CHOICE = tuning.BackendChoice("layer_norm_linear_forward_backend", (tuning.TILEFUSE, NORM_THEN_CUBLAS))
 
 
 def _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path,
