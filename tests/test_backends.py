@@ -117,6 +117,24 @@ def test_vendor_gated_linear_over_separate_weights_runs_two_gemms(device):
         assert [(r.kernel, r.config) for r in recs] == [("cublas", "F.linear twice, then the swiglu gate kernel")]
 
 
+@pytest.mark.parametrize("name,params", [
+    ("linear_train", dict(SMALL_LINEAR, activation="gelu")),
+    ("linear_train", dict(SMALL_LINEAR, activation=None, dtype=torch.float32)),
+    ("linear_train", dict(SMALL_LINEAR, activation="relu", layout="x_transposed")),
+    ("gated_linear_train", dict(SMALL_LINEAR, activation="swiglu")),
+    ("gated_linear_train", dict(SMALL_LINEAR, activation="geglu", bias=False, weight_form="concat"))])
+def test_vendor_training_step_takes_cublas_for_the_backward(name, params, device):
+    """A training forward stays tilefuse's (it stores the slope the backward reads); under vendor the backward is
+    g = dy * slope, then cuBLAS's dx and dW GEMMs and db from g."""
+    spec = registry.get(name)
+    with tilefuse.use_backend("vendor"), launches.recording() as recs:
+        check_against_reference(spec, params, device, seed=5)
+    if runtime.execution_path(torch.empty(0, device=device)) == runtime.REFERENCE:
+        return
+    backward = [r for r in recs if r.op == "linear_backward"]
+    assert backward and {r.kernel for r in backward} == {"cublas"}, recs
+
+
 def test_vendor_norm_with_mixed_parameter_dtypes_takes_tilefuses_kernel(device):
     x = torch.randn(5, 64, device=device, dtype=torch.bfloat16)
     w = torch.randn(64, device=device)  # fp32 beside bf16 x: torch's kernels differ in how they treat it

@@ -672,13 +672,67 @@ def linear_backward(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, 
     # tile feeding both the dot and the elementwise sum compiles wrong on sm_90 with triton 3.6 (NOTES.md).
     db_by_sum = need_db and slope is None
     in_plan_db = need_db and not db_by_sum
+    mode = runtime.backend()
     grads = _LINEAR_BACKWARD.run(
-        (dy, x, w, w_up, slope, slope_up), (precision, need_dx, need_dw, in_plan_db),
-        lambda: _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, in_plan_db, path))
+        (dy, x, w, w_up, slope, slope_up), (precision, need_dx, need_dw, in_plan_db, mode),
+        lambda: _linear_backward_chosen(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, in_plan_db,
+                                        path, mode))
     if db_by_sum:
         db = dy.reshape(-1, w.shape[0]).sum(0, dtype=torch.float32).to(x.dtype)  # any leading dims, 1-D too
         grads = (grads[0], grads[1], db)
     return grads
+
+
+def _linear_backward_chosen(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path, mode):
+    def run(candidate):
+        if candidate == tuning.TILEFUSE:
+            return _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path)
+        return _linear_backward_vendor(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, path)
+
+    N, K = w.shape
+    key = tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K, GATED=w_up is not None,
+                           HAS_SLOPE=slope is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
+                           INPUT_PRECISION=precision, dtype=x.dtype)
+    chosen = LINEAR_BACKWARD_CHOICE.choose(mode, (tuning.TILEFUSE, CUBLAS), key, x.device,
+                                           lambda c: fastpath.run_aside(run, c))
+    return run(chosen)
+
+
+# The backward's vendor candidate: g = dy * slope (each gated branch's own) as one elementwise pass, then cuBLAS's
+# dx = g W (gated: + g_up W_up) and dW = g^T x, db = the column sums of g. Same outputs as tilefuse's (see
+# linear_backward).
+LINEAR_BACKWARD_CHOICE = tuning.BackendChoice("linear_backward_backend", (tuning.TILEFUSE, CUBLAS))
+
+
+def _linear_backward_vendor(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, path):
+    N, K = w.shape
+    M = math.prod(x.shape[:-1])
+    dy2d = dy.reshape(M, N)
+    weights = (w,) if w_up is None else (w, w_up)
+    slopes = (slope,) if w_up is None else (slope, slope_up)
+    gs = [dy2d if s is None else dy2d * s.reshape(M, N) for s in slopes]
+
+    def none():
+        return dy.new_empty((0,))
+    dx = none()
+    if need_dx:
+        dx2d = gs[0] @ weights[0]
+        for g, wb in zip(gs[1:], weights[1:]):
+            dx2d.addmm_(g, wb)
+        dx = dx2d.view(x.shape)
+    dws, dbs = [none(), none()], [none(), none()]
+    if need_dw or need_db:
+        x2d = x.reshape(M, K)
+        for i, (g, wb) in enumerate(zip(gs, weights)):
+            dw = g.t() @ x2d
+            dws[i] = dw if wb.is_contiguous() else torch.empty_like(wb).copy_(dw)  # the weight's own layout
+            if need_db:
+                dbs[i] = g.sum(0, dtype=torch.float32).to(x.dtype)
+    launches.record("linear_backward", path, CUBLAS, ("dy * slope, then " if slope is not None else "")
+                    + "cuBLAS's dx and dW GEMMs" + (" per branch" if w_up is not None else ""))
+    if w_up is not None:
+        return dx, dws[0], dws[1], dbs[0], dbs[1]
+    return dx, dws[0], dbs[0]
 
 
 # Hopper's dW kernel (backward.py: grad_weight_tma_kernel), taken where its operands allow (measured faster than
