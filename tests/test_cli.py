@@ -175,3 +175,17 @@ def test_report_workers_take_each_row_as_a_task_of_its_own(monkeypatch):
         {"accuracy": [], "accuracy_seconds": 0.0, "prepare_seconds": 4.0, "not_warmed": ["row"], "tuning": [2]}])
     assert merged == {"accuracy": ["a"], "accuracy_seconds": 2.0, "prepare_seconds": 6.5, "not_warmed": ["row"],
                       "tuning": [1, 2]}
+
+
+def test_report_runs_under_the_backend_it_is_given(monkeypatch, tmp_path, capsys):
+    """--backend vendor: the run (its workers too, through the environment) takes the vendor compositions, and the
+    report says which backend it ran under."""
+    from tilefuse import cli, runtime
+
+    monkeypatch.setenv("TILEFUSE_BACKEND", "auto")  # the CLI sets the variable: monkeypatch restores it after
+    assert cli.main(["report", "--ops", "softmax", "--quick", "--seeds", "1", "--jobs", "1", "--no-progress",
+                     "--backend", "vendor", "--out", str(tmp_path)]) == 0
+    assert runtime.backend() == "vendor"
+    result = json.loads((tmp_path / "report.json").read_text())
+    assert result["backend"] == "vendor"
+    assert "backend: vendor" in capsys.readouterr().out

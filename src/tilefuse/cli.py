@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                    "before the timing, which runs alone (default on a GPU: one per task -- an op's accuracy, a row's "
                    "first call -- up to the cores plus two, "
                    "at most 20; on a CPU 1; 1 runs everything in this process)")
+    r.add_argument("--backend", choices=["auto", "tilefuse", "vendor"], default=None,
+                   help="the backend every op takes in this run, workers included (sets TILEFUSE_BACKEND; default: "
+                   "the environment's, else auto); the report records it")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     t = sub.add_parser("tune", help="autotune the kernels behind ops on this GPU and store the winners")
     t.add_argument("--ops", nargs="+", metavar="NAME", help="registry op names (default: all)")
@@ -214,6 +217,8 @@ def cmd_report(args) -> int:
     if args.retune:
         from tilefuse import tuning
         tuning.use_stored_configs(False)
+    if args.backend:
+        os.environ["TILEFUSE_BACKEND"] = args.backend  # the spawned workers read it too
     try:
         result = report.run_report(ops=args.ops, quick=args.quick, seeds=args.seeds, out_dir=args.out,
                                    anchor_filter=args.anchors, show_progress=not args.no_progress,

@@ -444,7 +444,7 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(), "seeds": seeds, "quick": quick, "ops": {},
-              "anchors_skipped": list(skipped), "jobs": jobs}
+              "anchors_skipped": list(skipped), "jobs": jobs, "backend": runtime.backend()}
     ceilings_started = time.perf_counter()
     result["ceilings"] = measure_ceilings() if on_gpu else {}
     result["ceilings_seconds"] = round(time.perf_counter() - ceilings_started, 1)
@@ -727,6 +727,8 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"quick run: {QUICK_ROWS} benchmark row and the first {QUICK_ACCURACY_CASES} accuracy cases "
                      f"per op, {result['seeds']} seeds per accuracy case"
                      + (f"; anchors not run: {', '.join(skipped)}" if skipped else ""))
+    if result.get("backend"):
+        lines.append(f"backend: {result['backend']} (TILEFUSE_BACKEND; the config column names what ran)")
     if isinstance(result.get("seconds"), (int, float)):
         lines.append(f"took {_clock(result['seconds'])}")
     return lines
