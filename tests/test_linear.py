@@ -99,6 +99,7 @@ def test_grad_flows_only_where_asked(device):
         assert not tilefuse.linear(x, w, None, "gelu").requires_grad
 
 
+@pytest.mark.usefixtures("tilefuse_backend")
 def test_no_copy_of_transposed_weight(device, monkeypatch):
     # A transposed weight view must reach the kernel as is (strides), not via .contiguous().
     w = _rand(4, 6, device=device).t()  # [6, 4] view, stride (1, 6)
@@ -151,6 +152,7 @@ def test_interpreter_path_is_used_on_cpu():
     assert [r.path for r in recs] == ["interpreter"]
 
 
+@pytest.mark.usefixtures("tilefuse_backend")
 @pytest.mark.parametrize("activation", [None, "gelu", "swiglu"])
 def test_split_k_path_matches_reference(device, activation, monkeypatch):
     # Small-M GEMMs split K across programs; the last program of each output tile to arrive sums the

@@ -31,8 +31,10 @@ def _last(op: str):
     assert found, f"no {op} launch recorded"
     return found[-1]
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
-                                        "ignore:divide by zero encountered:RuntimeWarning")
+# Every test here checks tilefuse's own kernel modes (block, loop, split) and their launch records.
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                         "ignore:divide by zero encountered:RuntimeWarning"),
+              pytest.mark.usefixtures("tilefuse_backend")]
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # (rows, cols) that take each path: on the GPU the caps are larger, so the shapes are too.

@@ -237,7 +237,7 @@ def _forward_chosen(x2d, res2d, weight, bias, eps, is_rms, path, mode):
             return _forward_torch(x2d, res2d, weight, bias, eps, is_rms, path)
         return _forward(x2d, res2d, weight, bias, eps, is_rms, path)
 
-    available = (tuning.TILEFUSE, TORCH) if _torch_takes(x2d, weight, bias) else (tuning.TILEFUSE,)
+    available = (tuning.TILEFUSE, TORCH) if _torch_takes(x2d, weight, bias, is_rms=is_rms) else (tuning.TILEFUSE,)
     chosen = FORWARD_CHOICE.choose(mode, available, _choice_key(x2d, res2d, weight, bias, is_rms), x2d.device,
                                    lambda c: fastpath.run_aside(run, c))
     return run(chosen)
@@ -281,7 +281,7 @@ def _backward_chosen(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute
         return _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path)
 
     # aten's fused RMSNorm backward has CUDA kernels only.
-    vendor = _torch_takes(h2d, weight, dy2d) and (h2d.is_cuda or not is_rms)
+    vendor = _torch_takes(h2d, weight, dy2d, is_rms=is_rms) and (h2d.is_cuda or not is_rms)
     available = (tuning.TILEFUSE, TORCH) if vendor else (tuning.TILEFUSE,)
     key = _choice_key(h2d, dh2d, weight, None, is_rms, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db)
     chosen = BACKWARD_CHOICE.choose(mode, available, key, h2d.device, lambda c: fastpath.run_aside(run, c))
@@ -308,7 +308,12 @@ FORWARD_CHOICE = tuning.BackendChoice("norm_forward_backend", (tuning.TILEFUSE, 
 BACKWARD_CHOICE = tuning.BackendChoice("norm_backward_backend", (tuning.TILEFUSE, TORCH))
 
 
-def _torch_takes(x2d, *others) -> bool:
+def _torch_takes(x2d, *others, is_rms: bool) -> bool:
+    """Whether torch's kernel is a candidate: the parameters in x's dtype, and for LayerNorm off CUDA only fp32
+    rows (torch's CPU LayerNorm keeps its mean and rstd in x's dtype, 16-bit ones too: too coarse for the
+    statistics the backward reads)."""
+    if not (is_rms or x2d.is_cuda or x2d.dtype == torch.float32):
+        return False
     return all(t is None or t.dtype == x2d.dtype for t in others)
 
 
@@ -319,8 +324,15 @@ def _choice_key(x2d, res2d, weight, bias, is_rms, **extra) -> tuple:
                             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **extra, dtype=x2d.dtype)
 
 
+def _flat(t, N):
+    """A norm parameter as the [N] vector torch's kernels take over [M, N] rows (it may be shaped like a
+    multi-dimensional normalized_shape)."""
+    return None if t is None else t.reshape(N)
+
+
 def _forward_torch(x2d, res2d, weight, bias, eps, is_rms, path):
     M, N = x2d.shape
+    weight, bias = _flat(weight, N), _flat(bias, N)
     h = x2d if res2d is None else x2d + res2d
     stats = torch.empty((2, M), dtype=torch.float32, device=x2d.device)
     if is_rms:
@@ -337,6 +349,7 @@ def _forward_torch(x2d, res2d, weight, bias, eps, is_rms, path):
 
 def _backward_torch(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path):
     M, N = h2d.shape
+    weight = _flat(weight, N)
     rstd = stats[1].view(M, 1)
     if is_rms:
         dx, dw = torch.ops.aten._fused_rms_norm_backward(dy2d, h2d, [N], rstd, weight, [True, compute_dw])

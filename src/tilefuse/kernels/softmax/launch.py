@@ -465,9 +465,20 @@ def _choice_key(x, dim: int):
                             dtype=x.dtype)
 
 
+def _dense(t) -> bool:
+    """Whether t's elements fill one block of memory without overlap, in some order of its dims: then
+    ``torch.empty_like(t)`` keeps t's strides (otherwise it is contiguous)."""
+    expected = 1
+    for d in sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=t.stride):
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
 def _like(t, out):
     """``out`` laid out as ``torch.empty_like(t)`` (the launch contract), copied only when torch's differs."""
-    if out.stride() == t.stride() or not t.is_non_overlapping_and_dense():
+    if out.stride() == t.stride() or not _dense(t):
         return out
     return torch.empty_like(t).copy_(out)
 
