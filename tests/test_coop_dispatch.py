@@ -16,6 +16,9 @@ from tilefuse.kernels import launches
 from tilefuse.kernels.gemm import coop, launch
 from tools.host_path import stubbed_launches
 
+# These check where the launch layer takes one of tilefuse's GEMM kernels: they pin the tilefuse backend.
+pytestmark = pytest.mark.usefixtures("tilefuse_backend")
+
 ON_GPU = torch.cuda.is_available()
 BF16 = torch.bfloat16
 SMS = 132  # the H200's SM count

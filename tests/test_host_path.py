@@ -18,7 +18,9 @@ from tilefuse.ops.attention import _attention_impl, _broadcast_shape
 from tools.host_path import stubbed_launches
 
 ON_GPU = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real")
+# tilefuse's own launch path is what this checks, so it pins the tilefuse backend.
+pytestmark = [pytest.mark.skipif(ON_GPU, reason="CPU-side check of the launch path; the GPU runs it for real"),
+              pytest.mark.usefixtures("tilefuse_backend")]
 
 # One small case per op (bench_cases[0] with this shape) and the kernels one call must launch.
 CASES = {

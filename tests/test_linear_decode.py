@@ -12,6 +12,9 @@ from tilefuse.kernels.gemm import launch
 from tilefuse.opspec import REL_L2_BOUND
 from tools.host_path import stubbed_launches
 
+# These check tilefuse's decode kernel and where its launch takes it: they pin the tilefuse backend.
+pytestmark = pytest.mark.usefixtures("tilefuse_backend")
+
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 ACT = {"gelu": F.gelu, "silu": F.silu, None: lambda t: t}
 
