@@ -15,6 +15,8 @@
 # without the launch layer's fast path, and the tree carried in .carry/old/src when there is one),
 # REPORT_FIRST=1 to run the report before the tests (a cold Triton cache, as a user's first run has), REPORT_LIMIT
 # seconds for it,
+# TILEFUSE_BACKEND=tilefuse|vendor runs the tests (and the report) under that backend (carry only result logs of
+# the same backend: a test that passed under one has not run under another),
 # REPORT_ARGS extra arguments for `tilefuse report`, split as a shell would (quotes group words, no globbing:
 # REPORT_ARGS="--anchors 'eager unfused' 'torch.compile.*'"), LABS=1 to run the Gluon labs' benches after the tests
 # (benchmarks/gemm_coop_ws.py bench and forward, attention_bwd_wide.py and decode_gemv.py bench), or LABS="lab:command ..." for
