@@ -189,3 +189,36 @@ def test_report_runs_under_the_backend_it_is_given(monkeypatch, tmp_path, capsys
     result = json.loads((tmp_path / "report.json").read_text())
     assert result["backend"] == "vendor"
     assert "backend: vendor" in capsys.readouterr().out
+
+
+def test_report_workers_read_stored_configs_as_the_main_process_does(monkeypatch, tmp_path):
+    """--retune turns stored configs off in the main process; each spawned worker starts with its own default, so
+    the main process's setting travels with every task."""
+    from concurrent.futures import Future
+
+    from tilefuse import tuning
+    from tilefuse.harness import report
+
+    seen = []
+
+    class Pool:  # runs nothing: records what each task was given
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, *args):
+            seen.append(args[-1])
+            done = Future()
+            done.set_result({"accuracy": [], "accuracy_seconds": 0.0, "prepare_seconds": 0.0, "not_warmed": [],
+                             "tuning": []})
+            return done
+
+    monkeypatch.setattr(report, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(tuning.autotuner, "_use_stored_configs", False)
+    report.run_report(ops=["softmax", "rms_norm"], quick=True, seeds=1, out_dir=tmp_path, show_progress=False, jobs=2)
+    assert seen == [False, False]

@@ -222,13 +222,15 @@ def warm_row(spec: OpSpec, params: dict, anchor_filter, skipped=()) -> None:
 
 
 def prepare_op(name: str, quick: bool, seeds: int, bench_indices: list[int], anchor_filter, skipped,
-               accuracy: bool = True) -> dict:
+               accuracy: bool = True, stored_configs: bool = True) -> dict:
     """What a ``--jobs`` worker process does for one task of an op before any timing: its accuracy cases
     (``accuracy``), then :func:`warm_row` for each benchmark row of ``bench_indices`` (GPU only). A kernel key
     with no stored config runs its first config untuned (:func:`tuning.tune_missing_keys`): workers share the
     GPU, so their timings would measure each other; for a row's key it also compiles the rest of the space,
     which the timing process then tunes from Triton's disk cache. Returns the accuracy rows and the configs
-    they used."""
+    they used. ``stored_configs``: the main process's :func:`tuning.stored_configs_used` (False under ``--retune``:
+    a spawned worker starts with its own default)."""
+    tuning.use_stored_configs(stored_configs)
     tuning.tune_missing_keys(False)
     # The workers already fill the cores: one CPU thread each for torch (idle OpenMP threads spin) and a
     # small compile pool for Inductor.
@@ -456,8 +458,9 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
                           f"({len(tasks)} tasks)")
             context = multiprocessing.get_context("spawn")  # a CUDA context does not survive fork
             with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-                pending = {pool.submit(prepare_op, name, quick, seeds, rows, anchor_filter, skipped, accuracy):
-                           (name, accuracy, weight) for name, accuracy, rows, weight in tasks}
+                stored = tuning.stored_configs_used()
+                pending = {pool.submit(prepare_op, name, quick, seeds, rows, anchor_filter, skipped, accuracy,
+                                       stored): (name, accuracy, weight) for name, accuracy, rows, weight in tasks}
                 parts: dict = {s.name: [] for s in specs}
                 left = {s.name: sum(1 for t in tasks if t[0] == s.name) for s in specs}
                 for future in as_completed(pending):

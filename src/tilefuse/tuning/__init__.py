@@ -4,7 +4,8 @@ every kernel uses, which consults them; ``choices`` picks, the same way, between
 (tilefuse's kernels or the vendor's). See ``autotuner``'s module doc for the order of lookups and
 how the shipped table is produced."""
 from tilefuse.tuning.autotuner import (TableAutotuner, autotune, autotune_enabled, describe,  # noqa: F401
-                                       describe_record, tune_missing_keys, tuning_record, use_stored_configs)
+                                       describe_record, stored_configs_used, tune_missing_keys, tuning_record,
+                                       use_stored_configs)
 from tilefuse.tuning.tables import (TABLE_FORMAT, atomic_write_json, cache_dir, config_from_dict,  # noqa: F401
                                     config_to_dict, gpu_slug, load_shipped_table, load_user_entries, lookup,
                                     make_entry, shipped_table_path, store_user_entry, user_cache_path,

@@ -81,6 +81,11 @@ def use_stored_configs(enabled: bool) -> None:
     _use_stored_configs = enabled
 
 
+def stored_configs_used() -> bool:
+    """Whether this process reads stored configs (see :func:`use_stored_configs`)."""
+    return _use_stored_configs
+
+
 _tune_missing_keys = True
 _compile_missing_space = False
 UNTUNED_SOURCE = "first config (not tuned)"
