@@ -219,6 +219,21 @@ def test_auto_without_a_gpu_to_measure_on_takes_tilefuse(fake_gpu, monkeypatch):
     assert {r["source"] for r in c.records.values()} == {choices.NOT_MEASURED}
 
 
+def test_a_call_with_one_allowed_candidate_builds_no_key_and_times_nothing(fake_gpu):
+    from tilefuse.kernels import fastpath
+
+    c = _choice("test_one_allowed")
+
+    def no_key():
+        raise AssertionError("a key was built for a call with one candidate")
+    assert fastpath.run_chosen(c, "tilefuse", c.candidates, no_key, torch.device("cuda"), lambda n: n) == "tilefuse"
+    assert fastpath.run_chosen(c, "vendor", ("tilefuse", "torch"), no_key, torch.device("cuda"), lambda n: n) == "torch"
+    fake_gpu["times"] = {"tilefuse": 0.2, "torch": 0.1, "cudnn": 0.3}
+    key = lambda: tuning.ChoiceKey(N=3)  # noqa: E731
+    assert fastpath.run_chosen(c, "auto", c.candidates, key, torch.device("cuda"), lambda n: n) == "torch"
+    assert sorted(fake_gpu["benched"]) == ["cudnn", "tilefuse", "torch"]
+
+
 def test_a_failing_candidate_is_never_chosen(fake_gpu):
     c = _choice("test_failing")
 

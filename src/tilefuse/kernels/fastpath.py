@@ -89,6 +89,16 @@ def run_aside(fn, *args):
         return fn(*args)
 
 
+def run_chosen(choice, mode: str, available: tuple, key, device, run):
+    """``run(candidate)`` for the candidate ``choice`` (a ``tuning.BackendChoice``) takes under backend ``mode``
+    among ``available``. ``key()`` makes the choice's key, only where more than one candidate is allowed (so a
+    call with one, such as any call under ``tilefuse``, builds none); a candidate timed to choose runs aside."""
+    allowed = choice.allowed(mode, available)
+    if len(allowed) == 1:
+        return run(allowed[0])
+    return run(choice.choose(mode, available, key(), device, lambda c: run_aside(run, c)))
+
+
 def clear_all() -> None:
     """Forget every family's plans (tests; after changing tuned configs in this process)."""
     for family in _FAMILIES:

@@ -317,14 +317,12 @@ def _linear_chosen(x, weight, bias, activation, precision, path, save_slope, mod
             return _linear(x, weight, bias, None, None, activation, precision, path, save_slope)
         return _linear_vendor(candidate, x, weight, bias, activation, path)
 
-    available = _linear_candidates(x, bias, activation, save_slope)
-    if len(available) == 1:
-        return run(available[0])
-    N, K = weight.shape
-    key = tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K, HAS_BIAS=bias is not None,
-                           ACTIVATION=activation, INPUT_PRECISION=precision, dtype=x.dtype)
-    chosen = LINEAR_CHOICE.choose(mode, available, key, x.device, lambda c: fastpath.run_aside(run, c))
-    return run(chosen)
+    def key():
+        N, K = weight.shape
+        return tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K, HAS_BIAS=bias is not None,
+                                ACTIVATION=activation, INPUT_PRECISION=precision, dtype=x.dtype)
+    return fastpath.run_chosen(LINEAR_CHOICE, mode, _linear_candidates(x, bias, activation, save_slope), key,
+                               x.device, run)
 
 
 def gated_linear(x, w_gate, w_up, b_gate, b_up, activation, path, save_slope=False):
@@ -344,14 +342,14 @@ def _gated_chosen(x, w_gate, w_up, b_gate, b_up, activation, precision, path, sa
             return _linear(x, w_gate, b_gate, w_up, b_up, activation, precision, path, save_slope)
         return _gated_vendor(x, w_gate, w_up, b_gate, b_up, activation, path)
 
-    if save_slope:  # the training forward's slopes have no vendor counterpart in one pass
-        return run(tuning.TILEFUSE)
-    N, K = w_gate.shape
-    key = tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K, HAS_BIAS=b_gate is not None,
-                           ACTIVATION=activation, INPUT_PRECISION=precision, STACKED=_stacked(w_gate, w_up),
-                           dtype=x.dtype)
-    chosen = GATED_CHOICE.choose(mode, (tuning.TILEFUSE, CUBLAS), key, x.device, lambda c: fastpath.run_aside(run, c))
-    return run(chosen)
+    def key():
+        N, K = w_gate.shape
+        return tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K,
+                                HAS_BIAS=b_gate is not None, ACTIVATION=activation, INPUT_PRECISION=precision,
+                                STACKED=_stacked(w_gate, w_up), dtype=x.dtype)
+    # the training forward's slopes have no vendor counterpart in one pass
+    available = (tuning.TILEFUSE,) if save_slope else (tuning.TILEFUSE, CUBLAS)
+    return fastpath.run_chosen(GATED_CHOICE, mode, available, key, x.device, run)
 
 
 def _linear(x, w, b, w_up, b_up, activation, precision, path, save_slope):
@@ -559,15 +557,14 @@ def _layer_norm_linear_chosen(x2d, norm_weight, norm_bias, weight, bias, eps, is
         y, _ = norm_forward(x2d, None, norm_weight, norm_bias, eps, is_rms, path)
         return (_linear_vendor(CUBLAS, y, weight, bias, activation, path),)
 
-    if save_slope:  # the training forward's slope has no vendor counterpart in one pass
-        return run(tuning.TILEFUSE)
-    (M, K), N = x2d.shape, weight.shape[0]
-    key = tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(M), N=N, K=K, IS_RMS=is_rms, HAS_GAMMA=norm_weight is not None,
-                           HAS_BETA=norm_bias is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
-                           INPUT_PRECISION=precision, dtype=x2d.dtype)
-    chosen = NORM_LINEAR_CHOICE.choose(mode, (tuning.TILEFUSE, NORM_THEN_CUBLAS), key, x2d.device,
-                                       lambda c: fastpath.run_aside(run, c))
-    return run(chosen)
+    def key():
+        (M, K), N = x2d.shape, weight.shape[0]
+        return tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(M), N=N, K=K, IS_RMS=is_rms, HAS_GAMMA=norm_weight is not None,
+                                HAS_BETA=norm_bias is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
+                                INPUT_PRECISION=precision, dtype=x2d.dtype)
+    # the training forward's slope has no vendor counterpart in one pass
+    available = (tuning.TILEFUSE,) if save_slope else (tuning.TILEFUSE, NORM_THEN_CUBLAS)
+    return fastpath.run_chosen(NORM_LINEAR_CHOICE, mode, available, key, x2d.device, run)
 
 
 # layer_norm_linear's vendor candidate: the norm (the norms family's entry, which makes its own choice between
@@ -689,13 +686,12 @@ def _linear_backward_chosen(dy, x, w, w_up, slope, slope_up, precision, need_dx,
             return _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path)
         return _linear_backward_vendor(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, path)
 
-    N, K = w.shape
-    key = tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K, GATED=w_up is not None,
-                           HAS_SLOPE=slope is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
-                           INPUT_PRECISION=precision, dtype=x.dtype)
-    chosen = LINEAR_BACKWARD_CHOICE.choose(mode, (tuning.TILEFUSE, CUBLAS), key, x.device,
-                                           lambda c: fastpath.run_aside(run, c))
-    return run(chosen)
+    def key():
+        N, K = w.shape
+        return tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K, GATED=w_up is not None,
+                                HAS_SLOPE=slope is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
+                                INPUT_PRECISION=precision, dtype=x.dtype)
+    return fastpath.run_chosen(LINEAR_BACKWARD_CHOICE, mode, (tuning.TILEFUSE, CUBLAS), key, x.device, run)
 
 
 # The backward's vendor candidate: g = dy * slope (each gated branch's own) as one elementwise pass, then cuBLAS's

@@ -238,9 +238,8 @@ def _forward_chosen(x2d, res2d, weight, bias, eps, is_rms, path, mode):
         return _forward(x2d, res2d, weight, bias, eps, is_rms, path)
 
     available = (tuning.TILEFUSE, TORCH) if _torch_takes(x2d, weight, bias, is_rms=is_rms) else (tuning.TILEFUSE,)
-    chosen = FORWARD_CHOICE.choose(mode, available, _choice_key(x2d, res2d, weight, bias, is_rms), x2d.device,
-                                   lambda c: fastpath.run_aside(run, c))
-    return run(chosen)
+    return fastpath.run_chosen(FORWARD_CHOICE, mode, available, lambda: _choice_key(x2d, res2d, weight, bias, is_rms),
+                               x2d.device, run)
 
 
 def _forward(x2d, res2d, weight, bias, eps, is_rms, path):
@@ -283,9 +282,9 @@ def _backward_chosen(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute
     # aten's fused RMSNorm backward has CUDA kernels only.
     vendor = _torch_takes(h2d, weight, dy2d, is_rms=is_rms) and (h2d.is_cuda or not is_rms)
     available = (tuning.TILEFUSE, TORCH) if vendor else (tuning.TILEFUSE,)
-    key = _choice_key(h2d, dh2d, weight, None, is_rms, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db)
-    chosen = BACKWARD_CHOICE.choose(mode, available, key, h2d.device, lambda c: fastpath.run_aside(run, c))
-    return run(chosen)
+    return fastpath.run_chosen(BACKWARD_CHOICE, mode, available,
+                               lambda: _choice_key(h2d, dh2d, weight, None, is_rms, COMPUTE_DW=compute_dw,
+                                                   COMPUTE_DB=compute_db), h2d.device, run)
 
 
 def _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path):

@@ -403,8 +403,7 @@ def _forward_chosen(x, dim, algorithm, path, mode):
     def run(candidate):
         return _forward_torch(x, dim, path) if candidate == TORCH else _forward(x, dim, algorithm, path)
 
-    chosen = FORWARD_CHOICE.choose(mode, CANDIDATES, _choice_key(x, dim), x.device, lambda c: fastpath.run_aside(run, c))
-    return run(chosen)
+    return fastpath.run_chosen(FORWARD_CHOICE, mode, CANDIDATES, lambda: _choice_key(x, dim), x.device, run)
 
 
 def _forward(x, dim, algorithm, path):
@@ -433,8 +432,7 @@ def _backward_chosen(y, dy, dim, path, mode):
     def run(candidate):
         return _backward_torch(y, dy, dim, path) if candidate == TORCH else _backward(y, dy, dim, path)
 
-    chosen = BACKWARD_CHOICE.choose(mode, CANDIDATES, _choice_key(y, dim), y.device, lambda c: fastpath.run_aside(run, c))
-    return run(chosen)
+    return fastpath.run_chosen(BACKWARD_CHOICE, mode, CANDIDATES, lambda: _choice_key(y, dim), y.device, run)
 
 
 def _backward(y, dy, dim, path):
