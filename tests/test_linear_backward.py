@@ -202,6 +202,7 @@ def _backward_cases():
 
 
 @pytest.mark.parametrize("index,activation", _backward_cases())
+@pytest.mark.usefixtures("tilefuse_backend")  # tilefuse's backward kernels and configs
 def test_every_backward_config_matches_float64(device, monkeypatch, index, activation):
     """dx, dW and db through each config of the backward GEMMs' space, pinned, on tails against every tile
     size in it (M 130, N 264, K 96, bias): the first config is the only one the pinned GPU tests run
@@ -268,6 +269,7 @@ def _portable_cases():
 
 
 @pytest.mark.parametrize("index,activation", _portable_cases())
+@pytest.mark.usefixtures("tilefuse_backend")  # tilefuse's backward kernels and configs
 def test_every_portable_config_trains_a_conv1d_layout_weight(device, monkeypatch, index, activation):
     """GPT-2's Conv1D keeps W as [K, N], so tilefuse.linear reads its transposed view and takes the portable
     GEMM (TMA needs unit inner strides), whose tuner picks a config per row-count bucket. Each config of
@@ -310,6 +312,7 @@ def test_every_portable_config_trains_a_conv1d_layout_weight(device, monkeypatch
 
 @pytest.mark.parametrize("activation,bias,conv1d", [("gelu", True, False), (None, True, True), ("silu", False, False),
                                                     ("swiglu", True, False), ("geglu", False, True)])
+@pytest.mark.usefixtures("tilefuse_backend")  # tilefuse's backward kernels and configs
 def test_hopper_tma_backward_gemms_match_float64(tma_launch_device, activation, bias, conv1d):
     """The Hopper backward as the launch picks it for 16-bit operands (on a CPU in the interpreter, an sm_90 of
     3 SMs): dW^T = x^T g from TMA tiles, dx on the pointer kernel; tails in M, N and K, bias or none, plain and
@@ -356,6 +359,7 @@ def test_hopper_tma_backward_gemms_match_float64(tma_launch_device, activation, 
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,K,N", [(130, 96, 264), (1000, 520, 1288), (4096, 1024, 2048)])
+@pytest.mark.usefixtures("tilefuse_backend")  # tilefuse's backward kernels and configs
 def test_warp_specialized_backward_gemms_match_float64(M, K, N, dtype):
     """The Gluon cooperative GEMM (tilefuse.kernels.gemm.coop, through its direct entries) as the backward's two
     GEMMs at every config of its table: dx = (dy * s) W and dW = (dy * s)^T x, db = column sums, on tails in
@@ -378,6 +382,7 @@ def test_warp_specialized_backward_gemms_match_float64(M, K, N, dtype):
 
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("M,K,N", [(2048, 2304, 4352), (2100, 2056, 4360)])
+@pytest.mark.usefixtures("tilefuse_backend")  # tilefuse's backward kernels and configs
 def test_linear_training_runs_the_cooperative_backward(M, K, N):
     """tilefuse.linear's training path (bf16, bias, GELU; forward and backward through autograd) at sizes where
     the launch takes the cooperative kernel for both backward GEMMs (launch.coop_backward: an output tile per SM
@@ -446,6 +451,7 @@ def _gated_training_step_against_float64(M, K, N, label):
 
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("M,K,N", [(2100, 2056, 4360)])
+@pytest.mark.usefixtures("tilefuse_backend")  # tilefuse's backward kernels and configs
 def test_gated_training_runs_dx_and_each_branchs_dw_on_the_cooperative_kernel(M, K, N):
     """tilefuse.linear with SwiGLU (one [2N, K] weight, bias) in training at a size where each branch's dW (g_branch^T
     x with its own slope, + db) and dx (two products summed, the GATED_DX form) take the cooperative kernel, tails
@@ -457,6 +463,7 @@ def test_gated_training_runs_dx_and_each_branchs_dw_on_the_cooperative_kernel(M,
 
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("M,K,N", [(2100, 2056, 4360)])
+@pytest.mark.usefixtures("tilefuse_backend")  # tilefuse's backward kernels and configs
 def test_gated_dx_on_the_pointer_kernel_matches_float64(M, K, N, monkeypatch):
     """With launch.COOP_GATED_DX switched off, SwiGLU's dx (two products summed) runs the tuned pointer kernel,
     tails on every tile dim, against float64; the gate and up branches' dW as before."""
