@@ -187,3 +187,32 @@ def test_compile_clock_times_each_build_and_restores_the_hooks_set_before():
         assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == mine
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
+
+
+def test_the_worker_phases_estimate_includes_the_rows_still_to_time_and_the_clock_runs_across_phases(
+        monkeypatch, capsys):
+    """The worker phase's "about ... left" adds the timing phase to come (it used to say "about 0s left" with every
+    row still to time), and the timing phase's "elapsed" counts from the run's start, not its own."""
+    now = [100.0]
+    monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
+    started = now[0]
+    rows_after = 60.0  # seconds the timing phase is expected to take
+    with report._Progress(10.0, 2, bar=False, start=started, after=rows_after) as workers:
+        now[0] += 30.0
+        workers.advance(5.0)  # half the worker weight in 30 s: 30 s of it left, then the rows
+        workers.op("softmax", "accuracy done in a worker")
+        now[0] += 30.0
+        workers.advance(5.0)
+        workers.op("rms_norm", "accuracy done in a worker")
+    with report._Progress(4.0, 2, bar=False, start=started) as timing:
+        timing.op("softmax", "timing 1 benchmark rows")
+        now[0] += 10.0
+        timing.advance(1.0)  # a quarter of the rows in 10 s: 30 s left
+        timing.op("rms_norm", "timing 3 benchmark rows")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("(30s elapsed, about 1m30s left)"), lines[0]
+    assert lines[1].endswith("(1m00s elapsed, about 1m00s left)"), lines[1]
+    assert lines[2].endswith("(1m00s elapsed)"), lines[2]
+    assert lines[3].endswith("(1m10s elapsed, about 30s left)"), lines[3]
+    weight = report._Progress.ROW + report._Progress.ANCHOR
+    assert 0.05 < report._Progress.TIMING_SECONDS_PER_WEIGHT * weight < 30  # a row and one anchor: seconds, not hours

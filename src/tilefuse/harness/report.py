@@ -351,15 +351,22 @@ QUICK_SKIPPED_ANCHORS = (r"torch\.compile.*", r"flex_attention.*")
 class _Progress:
     """What the terminal shows while the report runs: the op and the case in progress, and an estimate of the
     time left. Each step is weighted by what it typically costs (an accuracy seed, a benchmark row with its
-    anchors), and the estimate is the elapsed time per weight done so far times the weight still to do. With a
+    anchors), and the estimate is this phase's elapsed time per weight done so far times the weight still to do,
+    plus ``after``: the seconds expected of the phases that follow (the worker phase's estimate includes the
+    timing of every row). ``start`` is the run's start, so the elapsed clock runs on across phases. With a
     terminal and the bar on, a rich bar; otherwise (--no-progress, or output to a file) one line per op on
     stderr."""
 
     SEED, ROW, ANCHOR = 1.0, 8.0, 4.0  # relative weights: one accuracy seed, a row's own timings, each anchor
+    # Seconds per weight of the timing phase before any row of it is timed: an H200 timed 83 rows (weight ~20
+    # each: the row and its anchors) in 249 s, about 0.15 s per weight (2026-12-03d, g1_report.log).
+    TIMING_SECONDS_PER_WEIGHT = 0.15
 
-    def __init__(self, total: float, ops: int, bar: bool):
+    def __init__(self, total: float, ops: int, bar: bool, start: float | None = None, after: float = 0.0):
         self.total, self.done, self.ops, self.op_index = max(total, 1e-9), 0.0, ops, 0
-        self.start = time.perf_counter()
+        self.phase_start = time.perf_counter()
+        self.start = self.phase_start if start is None else start
+        self.after = after
         self.stream = sys.stderr
         self.bar = None
         if bar and self.stream.isatty():
@@ -377,10 +384,12 @@ class _Progress:
             self.bar.__exit__(*exc)
 
     def left_text(self) -> str:
-        elapsed = time.perf_counter() - self.start
+        now = time.perf_counter()
+        elapsed = now - self.start
         if self.done <= 0:
             return f"{_clock(elapsed)} elapsed"
-        return f"{_clock(elapsed)} elapsed, about {_clock(elapsed / self.done * (self.total - self.done))} left"
+        left = (now - self.phase_start) / self.done * (self.total - self.done) + self.after
+        return f"{_clock(elapsed)} elapsed, about {_clock(left)} left"
 
     def op(self, name: str, what: str) -> None:
         self.op_index += 1
@@ -452,8 +461,10 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
     result["ceilings_seconds"] = round(time.perf_counter() - ceilings_started, 1)
     started = time.perf_counter()
     prepared = {}
+    total = sum(sum(w) for w in row_weights.values())
     if jobs > 1:
-        with _Progress(sum(t[3] for t in tasks), len(specs), show_progress) as progress:
+        with _Progress(sum(t[3] for t in tasks), len(specs), show_progress, start=started,
+                       after=total * _Progress.TIMING_SECONDS_PER_WEIGHT) as progress:
             progress.note(f"accuracy and each row's first call of {len(specs)} ops in {jobs} worker processes "
                           f"({len(tasks)} tasks)")
             context = multiprocessing.get_context("spawn")  # a CUDA context does not survive fork
@@ -479,10 +490,9 @@ def run_report(ops=None, quick=False, seeds=None, out_dir="report", anchor_filte
                     progress.op(name, f"accuracy done in a worker ({prepared[name]['prepare_seconds']}s of worker "
                                       f"time)" + (f"; still running: {', '.join(running[:jobs])}" if running else ""))
         result["prepare_seconds"] = round(time.perf_counter() - started, 1)
-    total = sum(sum(w) for w in row_weights.values())
     if not prepared:
         total += sum(accuracy_weight.values())
-    with _Progress(total, len(specs), show_progress) as progress:
+    with _Progress(total, len(specs), show_progress, start=started) as progress:
         for spec in specs:
             records_before = _record_keys()
             op_started = time.perf_counter()
