@@ -1,5 +1,6 @@
-"""The result log a GPU call resumes from: the tests that passed in committed result logs, minus those whose code
-changed since.   python3 scripts/carry_results.py LOG... [--keep REGEX...] [--drop REGEX...] [--out FILE]
+"""The result log a GPU call resumes from: the tests that passed in committed result logs, narrowed by filters to
+those whose code has not changed since (the caller names them: the script cannot tell).
+    python3 scripts/carry_results.py LOG... [--keep REGEX...] [--drop REGEX...] [--out FILE]
 
 Each LOG is a ``results.log`` of scripts/gpu_check.sh (``outcome seconds test-id`` per line). A test id is kept
 when it passed in some LOG, matches one of ``--keep`` (default: every id) and none of ``--drop`` (``re.search``

@@ -191,8 +191,8 @@ def test_compile_clock_times_each_build_and_restores_the_hooks_set_before():
 
 def test_the_worker_phases_estimate_includes_the_rows_still_to_time_and_the_clock_runs_across_phases(
         monkeypatch, capsys):
-    """The worker phase's "about ... left" adds the timing phase to come (it used to say "about 0s left" with every
-    row still to time), and the timing phase's "elapsed" counts from the run's start, not its own."""
+    """The worker phase's "about ... left" includes the timing phase still to come (when the last worker task ends,
+    what is left is every row's timing, not 0 s), and the timing phase's "elapsed" counts from the run's start."""
     now = [100.0]
     monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
     started = now[0]
