@@ -215,6 +215,8 @@ def _attention_backward(ctx, dout, dlse):
         return (None,) * ctx.n_inputs
     if dout is None:
         dout = torch.zeros_like(out)
+    if dlse is not None:  # the kernels read it in the lse's layout; autograd's may be expanded (loss = lse.sum())
+        dlse = dlse.contiguous()
     args = (dout, q, k, v, out, lse, dlse, mask, *ctx.args, alibi, cu_q, cu_k, *ctx.lengths)
     if _dispatch.direct(dout, q, k, v, out, lse, dlse, mask, alibi):
         dq, dk, dv = _attention_backward_impl(*args)
