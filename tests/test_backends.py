@@ -1,6 +1,6 @@
 """The backend an op takes (TILEFUSE_BACKEND, tilefuse.use_backend) and the measured choice between tilefuse's
-kernels and the vendor's composition (tuning.choices), for the families that have a vendor candidate so far:
-norms and softmax."""
+kernels and the vendor's composition (tuning.choices), for the families that have a vendor candidate: norms,
+softmax, the GEMMs and attention."""
 import threading
 
 import pytest
@@ -56,7 +56,8 @@ def test_bad_backend_names_are_refused_naming_where_they_came_from(monkeypatch, 
         tilefuse.layer_norm(x, 8)
 
 
-VENDOR_KERNELS = {"torch", "cublas", "cublaslt_epilogue"}  # the launch records' names of vendor compositions
+# the launch records' names of vendor compositions
+VENDOR_KERNELS = {"torch", "cublas", "cublaslt_epilogue", "sdpa_cudnn", "sdpa_flash"}
 SMALL_LINEAR = dict(shape=(33, 70, 45), dtype=torch.bfloat16, bias=True)
 VENDOR_CASES = [(name, None) for name in VENDOR_OPS] + [
     # linear: cuBLASLt's epilogue takes relu and tanh-GELU with a bias (CUDA: on the CPU torch's op applies the erf
@@ -71,7 +72,13 @@ VENDOR_CASES = [(name, None) for name in VENDOR_OPS] + [
     ("gated_linear", dict(SMALL_LINEAR, activation="geglu_tanh", bias=False, dtype=torch.float32))] + [
     # layer_norm_linear: the norm's entry (its own choice: torch's kernel under vendor), then F.linear and the
     # activation
-    ("layer_norm_linear", dict(shape=(33, 70, 45), dtype=torch.bfloat16, norm="rms", activation="gelu"))]
+    ("layer_norm_linear", dict(shape=(33, 70, 45), dtype=torch.bfloat16, norm="rms", activation="gelu"))] + [
+    # attention: SDPA's kernels where their semantics are the call's (one key head per query head, full or causal
+    # from the top-left corner), forward with and without the lse, and the backward after a vendor forward
+    ("attention", dict(shape=(1, 2, 2, 70, 70), d=32, dtype=torch.bfloat16, mode=(True, None), return_lse=True)),
+    ("attention", dict(shape=(2, 2, 2, 17, 130), d=64, dtype=torch.float16, mode=(False, None))),
+    ("attention_backward", dict(shape=(1, 2, 2, 70, 70), d=32, dtype=torch.bfloat16, mode=(True, None))),
+    ("attention_backward", dict(shape=(1, 2, 2, 40, 90), d=64, dtype=torch.float16, mode=(False, None)))]
 
 
 # linear's cases under auto and tilefuse run tilefuse's kernels, as the registry's grid does already
@@ -145,6 +152,114 @@ def test_vendor_norm_with_mixed_parameter_dtypes_takes_tilefuses_kernel(device):
     assert_close(y, ref, default_tolerance(x.dtype), "rms_norm, fp32 weight, bf16 x")
     if runtime.execution_path(x) != runtime.REFERENCE:
         assert [r.kernel for r in recs] == [""], recs
+
+
+def _attention_inputs(device, dtype, B=1, Hq=2, Hkv=2, Nq=40, Nk=40, d=32, grad=True):
+    g = torch.Generator(device="cpu").manual_seed(11)
+    return [torch.randn(B, h, n, d, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
+            for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
+
+
+def _attention_grads(q, k, v, dout, **kwargs):
+    out = tilefuse.attention(q, k, v, **kwargs)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def _attention_float64(q, k, v, dout, **kwargs):
+    from tilefuse.reference import attention as ref_attention
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    return _attention_grads_of(ref_attention.attention(*leaves, **kwargs), leaves, dout.double())
+
+
+def _attention_grads_of(out, leaves, dout):
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.parametrize("what,kwargs,shape", [
+    ("GQA", dict(causal=True), dict(Hq=4, Hkv=2)),
+    ("causal from the bottom-right corner", dict(causal=True), dict(Nq=17, Nk=40)),
+    ("a window", dict(window=(8, 3)), {}),
+    ("a softcap", dict(causal=True, softcap=5.0), {}),
+    ("ALiBi", dict(alibi_slopes="per head"), {})])
+def test_vendor_attention_without_sdpas_semantics_takes_tilefuses_kernels(what, kwargs, shape, device):
+    """SDPA has no GQA here, top-left causal only, no window, softcap or ALiBi: such calls stay tilefuse's under
+    vendor, forward and backward, and still match float64."""
+    q, k, v = _attention_inputs(device, torch.bfloat16, **shape)
+    if kwargs.get("alibi_slopes"):
+        kwargs = dict(kwargs, alibi_slopes=torch.rand(q.shape[1], device=device))
+    dout = torch.randn_like(q)
+    with tilefuse.use_backend("vendor"), launches.recording() as recs:
+        got = _attention_grads(q, k, v, dout, **kwargs)
+    for g, r, name in zip(got, _attention_float64(q, k, v, dout, **kwargs), ("out", "dq", "dk", "dv")):
+        assert_close(g, r, default_tolerance(q.dtype), f"{what}: {name}")
+    if runtime.execution_path(q) != runtime.REFERENCE:
+        assert {r.op for r in recs} == {"attention", "attention_backward"}, recs
+        assert not {r.kernel for r in recs} & VENDOR_KERNELS, recs
+
+
+@pytest.mark.parametrize("mode", ["tilefuse", "vendor"])
+def test_attention_backward_with_an_lse_gradient_takes_tilefuses(mode, device):
+    """SDPA's backward has no gradient through the lse: a loss that reads it keeps tilefuse's backward, under
+    vendor after SDPA's forward. lse.sum() hands the backward an expanded dlse (one element, stride 0), which the
+    kernels must not read as a full [B, H, N] tensor."""
+    q, k, v = _attention_inputs(device, torch.float16)
+    with tilefuse.use_backend(mode), launches.recording() as recs:
+        out, lse = tilefuse.attention(q, k, v, causal=True, return_lse=True)
+        grads = torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    scores = (leaves[0] @ leaves[1].transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(torch.ones(40, 40, dtype=torch.bool, device=device).triu(1), float("-inf"))
+    ref = torch.autograd.grad((scores.softmax(-1) @ leaves[2]).sum() + scores.logsumexp(-1).sum(), leaves)
+    for g, r, name in zip(grads, ref, ("dq", "dk", "dv")):
+        assert_close(g, r, default_tolerance(q.dtype), f"lse gradient: {name}")
+    if runtime.execution_path(q) != runtime.REFERENCE:
+        kinds = {r.op: r.kernel for r in recs}
+        assert (kinds["attention"] in VENDOR_KERNELS) == (mode == "vendor"), recs
+        assert kinds["attention_backward"] not in VENDOR_KERNELS, recs
+
+
+SDPA_BACKENDS = ["sdpa_cudnn", "sdpa_flash"]
+
+
+@pytest.mark.parametrize("forward_backend", ["tilefuse", "vendor"])
+@pytest.mark.parametrize("candidate", SDPA_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_sdpa_candidate_matches_float64_after_either_forward(candidate, forward_backend, causal, device):
+    """Each SDPA candidate on its own (on the CPU both are torch's CPU flash kernel), its backward reading the lse
+    of tilefuse's forward as well as of its own: the two forwards' lse must mean the same thing (fp32 natural
+    log, [B, H, Nq]). A noncontiguous dout takes out's layout first."""
+    from tilefuse.kernels.attention import launch
+
+    if device.type == "cpu" and candidate != "sdpa_flash":
+        pytest.skip("off CUDA both candidates are torch's CPU flash kernel: sdpa_flash's case runs it")
+    q, k, v = _attention_inputs(device, torch.bfloat16, B=2, Nq=70, Nk=70 if causal else 90, d=64, grad=False)
+    path = runtime.execution_path(q)
+    if path == runtime.REFERENCE:
+        pytest.skip("the candidates are the launch layer's; this path has none")
+    dout = torch.randn(2, 70, 2, 64, device=device, dtype=q.dtype).transpose(1, 2)  # [B, H, N, d] strided
+    right = 0 if causal else -1
+    if forward_backend == "tilefuse":
+        out, lse = launch._forward(q, k, v, None, 0.125, 0, -1, right, True, path, "auto", None, None, None, False,
+                                   runtime.precision_for(q.dtype, q.is_cuda))
+    else:
+        out, lse = launch._forward_sdpa(candidate, q, k, v, 0.125, causal, True, False, path)
+    assert lse.shape == (2, 2, 70) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert out.is_contiguous()
+    dq, dk, dv, _ = launch._backward_sdpa(candidate, dout, q, k, v, out, lse, 0.125, causal, path)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    mask = torch.ones(70, k.shape[2], dtype=torch.bool, device=device).triu(1) if causal else None
+    scores = (leaves[0] @ leaves[1].transpose(-1, -2)) * 0.125
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    ref = scores.softmax(-1) @ leaves[2]
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    bound = default_tolerance(q.dtype)
+    assert_close(out, ref, bound, f"{forward_backend} forward: out")
+    assert_close(lse, scores.logsumexp(-1), 1e-5, f"{forward_backend} forward: lse")
+    for g, r, t, name in zip((dq, dk, dv), ref_grads, (q, k, v), ("dq", "dk", "dv")):
+        assert g.stride() == t.stride() and g.dtype == t.dtype
+        assert_close(g, r, bound, f"{candidate} backward after the {forward_backend} forward: {name}")
 
 
 # ---- the choice itself -------------------------------------------------------------------------------

@@ -5,6 +5,9 @@
   for sm_90, fp16/bf16, the forward kernel's head dims, no mask, soft-cap, ALiBi, left window or packed
   sequences, TMA-able tensors: ws_backward.py's at d <= 128, ws_backward_wide.py's dK/dV pass and ws_backward's
   dQ pass in 256-wide tiles at d 160/192/256; the portable passes (backward.py) everything else.
+- The vendor candidates, forward and backward: SDPA's cuDNN and flash kernels (torch's CPU flash kernel off CUDA)
+  where their semantics are the call's (``sdpa_candidates``), chosen against tilefuse's by measurement per shape
+  bucket (FORWARD_CHOICE, BACKWARD_CHOICE; ``tuning.choices``).
 Inputs arrive checked and non-empty (tilefuse.ops).
 """
 from __future__ import annotations
@@ -296,21 +299,44 @@ def forward(q, k, v, mask, scale: float, pos_offset: int, window_left: int, wind
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     cu = varlen[:2] if varlen is not None else (None, None)
     precision = precision_for(q.dtype, q.is_cuda)
+    mode = runtime.backend()
     return _FORWARD.run((q, k, v, mask, alibi, *cu),
                         (scale, pos_offset, window_left, window_right, return_lse, kernel, softcap,
-                         None if varlen is None else varlen[2:], out_bnhd, precision),
-                        lambda: _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse,
-                                         path, kernel, softcap, alibi, varlen, out_bnhd, precision))
+                         None if varlen is None else varlen[2:], out_bnhd, precision, mode),
+                        lambda: _forward_chosen(q, k, v, mask, scale, pos_offset, window_left, window_right,
+                                                return_lse, path, kernel, softcap, alibi, varlen, out_bnhd, precision,
+                                                mode))
+
+
+def _forward_chosen(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel, softcap,
+                    alibi, varlen, out_bnhd, precision, mode):
+    def run(candidate):
+        if candidate == tuning.TILEFUSE:
+            return _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel,
+                            softcap, alibi, varlen, out_bnhd, precision)
+        return _forward_sdpa(candidate, q, k, v, scale, window_right == 0, return_lse, out_bnhd, path)
+
+    available = (tuning.TILEFUSE,)
+    if kernel == "auto":  # a kernel named by the caller is tilefuse's
+        available += sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softcap, alibi, varlen)
+    return fastpath.run_chosen(FORWARD_CHOICE, mode, available,
+                               lambda: _choice_key(q, k, window_right == 0, return_lse), q.device, run)
+
+
+def _empty_out(q, bnhd: bool):
+    """The forward's output for q [B, Hq, Nq, d]: contiguous, or with ``bnhd`` laid out [B, Nq, Hq, d] (packed:
+    [total_q, Hq, d]) and seen as [B, Hq, Nq, d], the layout tilefuse.ops.attention._empty_outputs (the fake
+    implementation) gives."""
+    B, Hq, Nq, d = q.shape
+    if bnhd:
+        return torch.empty((B, Nq, Hq, d), dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
+    return torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
 
 
 def _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel, softcap, alibi,
              varlen, out_bnhd, precision):
     B, Hq, Nq, d = q.shape
-    if varlen is not None or out_bnhd:  # [B, Nq, Hq, d] (packed: [total_q, Hq, d]), seen as [B, Hq, Nq, d]
-        # the layout tilefuse.ops.attention._empty_outputs (the fake implementation) gives
-        out = torch.empty((B, Nq, Hq, d), dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
-    else:
-        out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    out = _empty_out(q, varlen is not None or out_bnhd)
     lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
     cfg = _launch(q, k, v, out, lse if return_lse else None, mask, scale=scale, pos_offset=pos_offset,
                   window_left=window_left, window_right=window_right, input_precision=precision,
@@ -419,15 +445,32 @@ def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int,
     lse (fp32 [B, Hq, Nq], contiguous), dlse (the lse output's gradient, same layout) or None, and the
     forward's mask and positions. dq/dk/dv contiguous in q's / k's / v's shapes, q's dtype."""
     precision = precision_for(q.dtype, q.is_cuda)
+    mode = runtime.backend()
+
+    def full():
+        return _backward_chosen(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right,
+                                path, softcap, alibi, varlen, precision, mode)
+
     if not BACKWARD_REPLAY:
-        return _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path,
-                         softcap, alibi, varlen, precision)[:3]
+        return full()[:3]
     cu = varlen[:2] if varlen is not None else (None, None)
     return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask, alibi, *cu),
                          (scale, pos_offset, window_left, window_right, softcap, None if varlen is None else varlen[2:],
-                          precision),
-                         lambda: _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left,
-                                           window_right, path, softcap, alibi, varlen, precision))[:3]
+                          precision, mode), full)[:3]
+
+
+def _backward_chosen(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path, softcap,
+                     alibi, varlen, precision, mode):
+    def run(candidate):
+        if candidate == tuning.TILEFUSE:
+            return _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path,
+                             softcap, alibi, varlen, precision)
+        return _backward_sdpa(candidate, dout, q, k, v, out, lse, scale, window_right == 0, path)
+
+    available = (tuning.TILEFUSE,) + sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softcap,
+                                                     alibi, varlen, dlse)
+    return fastpath.run_chosen(BACKWARD_CHOICE, mode, available, lambda: _choice_key(q, k, window_right == 0, False),
+                               q.device, run)
 
 
 def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path, softcap,
@@ -501,3 +544,102 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     launches.record("attention_backward", path, "portable: rowdot, dk/dv, dq (no atomics)",
                     lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']}")
     return dq, dk, dv, delta
+
+
+# ---- SDPA's kernels, the vendor candidates -----------------------------------------------------------
+# torch's private SDPA entry points, which return (and take back) the log-sum-exp the public function hides:
+# cuDNN's and the flash kernel on CUDA, torch's flash kernel on the CPU (so the CPU suite runs the candidates'
+# plumbing too). Same outputs and layouts as tilefuse's: out as ``_empty_out`` lays it, lse fp32 [B, Hq, Nq]
+# natural log (or empty), dq/dk/dv in q's / k's / v's layouts.
+SDPA_CUDNN = "sdpa_cudnn"
+SDPA_FLASH = "sdpa_flash"
+FORWARD_CHOICE = tuning.BackendChoice("attention_forward_backend", (tuning.TILEFUSE, SDPA_CUDNN, SDPA_FLASH))
+BACKWARD_CHOICE = tuning.BackendChoice("attention_backward_backend", (tuning.TILEFUSE, SDPA_CUDNN, SDPA_FLASH))
+# Head dims each takes on CUDA (multiples of 8): PyTorch's cuDNN path up to 128, its flash kernel up to 256.
+SDPA_MAX_HEAD_DIM = {SDPA_CUDNN: 128, SDPA_FLASH: 256}
+
+
+def sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softcap, alibi, varlen, dlse=None) -> tuple:
+    """The SDPA kernels whose semantics are this call's: no mask, score modifier, packed sequences or lse
+    gradient (``dlse``), one key head per query head, and full attention or causal with queries and keys
+    aligned at the start (SDPA's ``is_causal`` is top-left: ``pos_offset`` 0); on CUDA fp16/bf16 with unit last
+    strides and a head dim of at most ``SDPA_MAX_HEAD_DIM``, a multiple of 8."""
+    if mask is not None or softcap is not None or alibi is not None or varlen is not None or dlse is not None:
+        return ()
+    causal = window_left < 0 and window_right == 0 and pos_offset == 0
+    if not (causal or (window_left < 0 and window_right < 0)) or q.shape[1] != k.shape[1]:
+        return ()
+    if not q.is_cuda:
+        return (SDPA_FLASH,)
+    d = q.shape[-1]
+    if (q.dtype not in (torch.float16, torch.bfloat16) or d % 8
+            or any(t.stride(-1) != 1 for t in (q, k, v))):
+        return ()
+    return tuple(c for c in (SDPA_CUDNN, SDPA_FLASH) if d <= SDPA_MAX_HEAD_DIM[c])
+
+
+def _choice_key(q, k, causal: bool, return_lse: bool):
+    """What the choice between tilefuse's attention and SDPA's depends on, as a ``tuning.ChoiceKey``."""
+    B, Hq, Nq, d = q.shape
+    return tuning.ChoiceKey(Q_BUCKET=sizes.m_bucket(Nq), K_BUCKET=sizes.m_bucket(k.shape[2]),
+                            HEADS_BUCKET=sizes.m_bucket(B * Hq), D=d, CAUSAL=causal, LSE=return_lse, dtype=q.dtype)
+
+
+def _like(t: torch.Tensor, strides: tuple, make) -> torch.Tensor:
+    """``t`` with ``strides``: t itself when it has them, else a copy into ``make()`` (an empty tensor of t's shape
+    laid out so)."""
+    return t if t.stride() == tuple(strides) else make().copy_(t)
+
+
+SDPA_FORWARD_OPS = {SDPA_CUDNN: "aten._scaled_dot_product_cudnn_attention",
+                    SDPA_FLASH: "aten._scaled_dot_product_flash_attention"}
+SDPA_BACKWARD_OPS = {name: op + "_backward" for name, op in SDPA_FORWARD_OPS.items()}
+SDPA_CPU_FORWARD = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+def _forward_sdpa(backend, q, k, v, scale, causal, return_lse, out_bnhd, path):
+    B, Hq, Nq, d = q.shape
+    aten = torch.ops.aten
+    if not q.is_cuda:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        what = SDPA_CPU_FORWARD
+    elif backend == SDPA_CUDNN:
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, return_lse, 0.0, causal, False,
+                                                            scale=scale)[:2]
+        what = SDPA_FORWARD_OPS[backend]
+    else:
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        what = SDPA_FORWARD_OPS[backend]
+    out = _like(out, (Nq * Hq * d, d, Hq * d, 1) if out_bnhd else (Hq * Nq * d, Nq * d, d, 1),
+                lambda: _empty_out(q, out_bnhd))
+    if return_lse:  # cuDNN's is [B, H, Nq, 1], the CPU kernel's laid out [B, Nq, H]
+        lse = lse.reshape(B, Hq, Nq).contiguous()
+    else:
+        lse = torch.empty((0,), dtype=torch.float32, device=q.device)
+    launches.record("attention", path, backend, what)
+    return out, lse
+
+
+def _backward_sdpa(backend, dout, q, k, v, out, lse, scale, causal, path):
+    """(dq, dk, dv, delta) as ``_backward`` returns them (delta empty: no kernel of tilefuse's reads it)."""
+    Nq, Nk = q.shape[2], k.shape[2]
+    aten = torch.ops.aten
+    if not q.is_cuda:
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                          scale=scale)
+        what = SDPA_CPU_FORWARD + "_backward"
+    else:
+        # Both take dout laid out as out (autograd's may be expanded or strided); no dropout, so the random-number
+        # state they take is never read.
+        dout = _like(dout, out.stride(), lambda: torch.empty_like(out))
+        seed = torch.zeros((1,), dtype=torch.long, device=q.device)
+        if backend == SDPA_CUDNN:
+            grads = aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out, lse.unsqueeze(-1), seed, seed, None, None, None, Nq, Nk, 0.0, causal, scale=scale)
+        else:
+            grads = aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse, None, None, Nq, Nk, 0.0, causal, seed, seed, scale=scale)
+        what = SDPA_BACKWARD_OPS[backend]
+    dq, dk, dv = (_like(g, t.stride(), lambda t=t: torch.empty_like(t)) for g, t in zip(grads, (q, k, v)))
+    launches.record("attention_backward", path, backend, what)
+    return dq, dk, dv, torch.empty((0,), dtype=torch.float32, device=q.device)
