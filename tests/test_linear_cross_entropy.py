@@ -131,26 +131,68 @@ def test_bad_input(device, kwargs, exc, match):
         tilefuse.linear_cross_entropy(x, w, target, **kwargs)
 
 
+@pytest.mark.parametrize("form,reduction", [("recompute", "mean"), ("training", "mean"), ("training", "sum")])
 @pytest.mark.parametrize("smoothing,softcap", [(0.0, None), (0.1, 5.0)])
-def test_backward_over_several_vocabulary_chunks(device, monkeypatch, smoothing, softcap):
-    """The backward walks the vocabulary in chunks (a full GEMM per chunk for dW's rows, dx summed over the
-    chunks): with a chunk budget of 128 columns, V = 301 takes three chunks, the last one partial. Gradients
-    against float64, bias included; bit-identical when run twice (no atomics)."""
+def test_backward_over_several_chunks(device, monkeypatch, smoothing, softcap, form, reduction):
+    """Both training paths walk the problem in chunks. The recomputing backward: the vocabulary (a full GEMM per
+    chunk for dW's rows, dx summed over the chunks): with a chunk budget of 128 columns, V = 301 takes three
+    chunks, the last one partial. The training form: the tokens (16 rows a chunk at that budget: 37 tokens in
+    three, dW summed over them), its gradients made in the forward and scaled by the loss's gradient (x 2.5 here)
+    in the backward. Gradients against float64, bias included; bit-identical when run twice (no atomics)."""
+    from tilefuse.kernels import launches
+    from tilefuse.kernels.gemm import launch
+    monkeypatch.setattr(launch, "LCE_TRAINING_FORM", form == "training")
     x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=4)
     grads = []
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-        tilefuse.linear_cross_entropy(*leaves[:2], target, leaves[2], label_smoothing=smoothing,
-                                      softcap=softcap).backward()
+        with launches.recording() as recs:
+            loss = tilefuse.linear_cross_entropy(*leaves[:2], target, leaves[2], label_smoothing=smoothing,
+                                                 softcap=softcap, reduction=reduction)
+            (2.5 * loss).backward()
         grads.append([t.grad for t in leaves])
     ref = [t.double().requires_grad_() for t in (x, w, b)]
     z = F.linear(*ref[:2], ref[2])
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    F.cross_entropy(z, target, label_smoothing=smoothing).backward()
+    want_loss = F.cross_entropy(z, target, label_smoothing=smoothing, reduction=reduction)
+    (2.5 * want_loss).backward()
+    assert_close(loss, want_loss, BOUND, "loss")
     for got, again, want, name in zip(grads[0], grads[1], ref, ("dx", "dW", "db")):
         assert_close(got, want.grad, BOUND, name)
         assert torch.equal(got, again), f"{name} differs run to run"
+    if any(r.path != "reference" for r in recs):
+        assert [r.kernel.startswith("training form: 3 token chunks of 16") for r in recs] == (
+            [True] if form == "training" else [False, False]), recs
+
+
+def test_training_form_gives_a_second_backward_the_same_gradients(device):
+    """The training form hands its gradients to the first backward; a second over the same graph
+    (``retain_graph``) recomputes them, and both match float64."""
+    x, w, t = _inputs(device, seed=6)
+    leaves = [u.clone().requires_grad_() for u in (x, w)]
+    loss = tilefuse.linear_cross_entropy(*leaves, t, label_smoothing=0.1)
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(3.0 * loss, leaves)
+    ref = [u.double().requires_grad_() for u in (x, w)]
+    want = torch.autograd.grad(F.cross_entropy(F.linear(*ref), t, label_smoothing=0.1), ref)
+    for a, b, r, name in zip(first, second, want, ("dx", "dW")):
+        assert_close(a, r, BOUND, f"first backward: {name}")
+        assert_close(b, 3.0 * r, BOUND, f"second backward: {name}")
+
+
+@pytest.mark.parametrize("case", ["none", "fp16", "no grad"])
+def test_training_form_only_where_every_row_takes_one_gradient(device, case):
+    """reduction="none" gives each row its own gradient, fp16 cannot hold dW summed over the tokens, and without a
+    gradient there is nothing to make: those keep the forward alone."""
+    from tilefuse.kernels import launches
+    x, w, t = _inputs(device, seed=7)
+    if case == "fp16":
+        x, w = x.half(), w.half()
+    leaves = [u.clone().requires_grad_(case != "no grad") for u in (x, w)]
+    with launches.recording() as recs:
+        tilefuse.linear_cross_entropy(*leaves, t, reduction="none" if case == "none" else "mean")
+    assert recs and not any(r.kernel.startswith("training form") for r in recs), recs
 
 
 @pytest.mark.parametrize("forward,softcap", [("chunked", None), ("chunked", 5.0), ("online", None), ("online", 5.0)])

@@ -3,6 +3,10 @@
 Registered as ``tilefuse::linear_cross_entropy`` (per-row losses and lse) with autograd through
 ``tilefuse::linear_cross_entropy_backward``; the reduction ("mean" / "sum" / "none") is plain torch on the
 per-row losses, so autograd carries the incoming gradient to each row.
+
+Eager training with "mean" or "sum" in bf16 or fp32 takes the training form instead (:class:`_TrainingForm`): the
+forward also makes the gradients, every kept row's gradient being one and the same number, which the backward
+applies; so the logits are made once, not again in the backward.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 
 from tilefuse import runtime
 from tilefuse.ops import _dispatch
-from tilefuse.ops._checks import check_same_device, check_same_dtype, check_softcap, check_tensor
+from tilefuse.ops._checks import check_same_device, check_same_dtype, check_softcap, check_tensor, grad_needed
 from tilefuse.ops.linear import _gemm_launch
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -138,6 +142,64 @@ def _backward(ctx, dloss, dlse):
 
 _lce_call = _dispatch.register_autograd(_lce_op, _rows_impl, _backward, _setup)
 
+TRAINING_DTYPES = (torch.bfloat16, torch.float32)  # fp16's range cannot hold dW summed before the loss's scale
+
+
+def _training_form_applies(reduction, x2d, weight, bias, t1d) -> bool:
+    """Eager autograd over a "mean" or "sum" loss in bf16 / fp32 on the launch layer's paths, with rows to take."""
+    return (reduction != "none" and x2d.dtype in TRAINING_DTYPES and x2d.shape[0] > 0 and x2d.shape[1] > 0
+            and grad_needed(x2d, weight, bias) and _dispatch.eager_autograd(x2d, weight, bias, t1d)
+            and runtime.execution_path(x2d) != runtime.REFERENCE and _gemm_launch().LCE_TRAINING_FORM)
+
+
+class _TrainingForm(torch.autograd.Function):
+    """The per-row losses and lse, as ``_lce_op``, with the gradients made in the forward
+    (``linear_cross_entropy_with_grads``: those of the sum of the kept rows' losses). Only for "mean" and "sum",
+    whose kept rows all get one gradient c (mean: g / n, sum: g): the backward takes c as the mean of the
+    incoming row gradients over the kept rows (no host synchronisation) and scales dW and db by it, dx row by
+    row. A second backward over the same graph (``retain_graph``) takes the recomputing backward."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, target, ignore_index, smoothing, softcap):
+        needs = ctx.needs_input_grad
+        need = (needs[0], needs[1], bias is not None and needs[2])
+        with _dispatch.on_device(x2d):
+            rows, lse, *grads = _gemm_launch().linear_cross_entropy_with_grads(
+                x2d, weight, bias, target, ignore_index, smoothing, softcap, *need, runtime.execution_path(x2d))
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x2d, weight, bias, target, lse)
+        ctx.args = (ignore_index, smoothing, softcap)
+        ctx.need = need
+        ctx.grads = grads  # handed over once (their only reference: autograd then keeps them without a copy)
+        return rows, lse
+
+    @staticmethod
+    def backward(ctx, drows, dlse):
+        x2d, weight, bias, target, lse = ctx.saved_tensors
+        ignore_index, smoothing, softcap = ctx.args
+        need_dx, need_dw, need_db = ctx.need
+        grads, ctx.grads = ctx.grads, None
+        if drows is None:
+            return (None,) * 7
+        keep = (target != ignore_index) & (target >= 0) & (target < weight.shape[0])
+        dloss = torch.where(keep, drows.float(), 0.0).contiguous()
+        if grads is None:  # the gradients went to an earlier backward: recompute them
+            with _dispatch.on_device(x2d):
+                dx, dw, db = _backward_impl(dloss, x2d, weight, bias, target, lse, smoothing, softcap, need_dx,
+                                            need_dw, need_db)
+        else:
+            dx, dw, db = grads
+            grads = None
+            c = dloss.sum() / keep.sum().clamp_min(1)
+            if need_dx:
+                dx.mul_(dloss[:, None])
+            if need_dw:
+                dw.mul_(c)
+            if need_db:
+                db = (db * c).to(bias.dtype)
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None, None, None)
+
 
 def _check_targets(target, V, ignore_index) -> None:
     """Every target in [0, V) or ignore_index. Eagerly a ValueError (one host synchronisation); under
@@ -158,8 +220,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
                          *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          softcap: float | None = None, return_lse: bool = False, check_targets: bool = True):
     """``F.cross_entropy(F.linear(x, weight, bias), target, ignore_index=..., reduction=...,
-    label_smoothing=...)`` without materialising the logits: vocabulary tiles stream through the GEMM with an
-    online log-sum-exp, and the backward recomputes each logit tile. x ``[..., K]``; weight ``[V, K]`` (the LM
+    label_smoothing=...)`` without materialising the logits: vocabulary chunks stream through the GEMM into the
+    rows' log-sum-exp, and the backward recomputes each chunk's logits; eager training over "mean" or "sum" in
+    bf16 / fp32 makes the gradients in the forward instead, a chunk of tokens at a time, so the logits are made
+    once (the backward scales them by the loss's gradient). x ``[..., K]``; weight ``[V, K]`` (the LM
     head or a tied embedding, read in place); target int64 or int32 ``[...]``. Returns fp32: a scalar for
     "mean" / "sum", ``[...]`` for "none"; ``softcap`` is Gemma 2's ``softcap * tanh(z / softcap)`` on the
     logits; ``return_lse`` also returns the per-token lse (fp32, not differentiable). ``check_targets``
@@ -210,6 +274,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     args = (x2d, weight, bias, t1d, int(ignore_index), float(label_smoothing), softcap)
     if _dispatch.direct(x2d, weight, bias, t1d):
         rows, lse = _rows_impl(*args)
+    elif _training_form_applies(reduction, x2d, weight, bias, t1d):
+        rows, lse = _TrainingForm.apply(*args)
     else:
         rows, lse = _lce_call(*args)
     if reduction == "none":

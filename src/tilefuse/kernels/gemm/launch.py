@@ -897,6 +897,12 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
                  UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
         launches.record("linear_cross_entropy", path, f"online lse over {splits} vocabulary slices",
                         lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
+    return _rows_from_partials(part, target, V, ignore_index, smoothing)
+
+
+def _rows_from_partials(part, target, V: int, ignore_index: int, smoothing: float):
+    """(loss per row, lse per row) from the slices' partials fp32 [4, splits, M] (max, sum of exp, target logit,
+    logit sum): 0 on rows whose target is ``ignore_index``, NaN where it is outside [0, V)."""
     m = part[0].amax(0)
     lse = m + torch.log((part[1] * torch.exp(part[0] - m)).sum(0))
     z_t, z_sum = part[2].sum(0), part[3].sum(0)
@@ -905,6 +911,65 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
     valid = (target >= 0) & (target < V)
     loss = torch.where(ignored, 0.0, torch.where(valid, loss, float("nan")))
     return loss, lse
+
+
+# Eager training over a "mean" or "sum" loss in bf16 / fp32 takes linear_cross_entropy_with_grads (the training
+# form, tilefuse.ops.cross_entropy._TrainingForm); False: the forward above and the recomputing backward below.
+LCE_TRAINING_FORM = True
+
+
+def lce_token_chunk(M: int, V: int, element_size: int) -> int:
+    """Tokens per chunk of the training form: the chunk's logits [rows, V] within LCE_CHUNK_BYTES, a multiple of 16
+    rows (at least 16, at most M)."""
+    rows = LCE_CHUNK_BYTES // max(1, V * element_size)
+    return max(1, min(M, max(16, rows // 16 * 16)))
+
+
+def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smoothing: float, softcap, need_dx, need_dw,
+                                    need_db, path):
+    """The training form, for losses whose rows all take one gradient (``mean`` and ``sum``): (loss per row fp32 [M],
+    lse fp32 [M], dx [M, K] in x's dtype, dW [V, K] in w's, db fp32 [V]; empty where not asked), the gradients
+    those of the sum of the rows' losses (every row whose target is in [0, V) and not ``ignore_index`` with
+    gradient 1; the backward scales them). One token chunk at a time: its logits over the whole vocabulary by one
+    cuBLAS GEMM, folded into the rows' lse (the forward's row pass) and turned into dz in place (the backward's
+    gradient kernel), then dx's rows and dW (accumulated over the chunks) by two GEMMs: three GEMMs where the
+    forward and the backward apart take four (the backward recomputes the logits). bf16 and fp32: fp16's range
+    cannot hold dW summed over the tokens before the loss's scale is applied."""
+    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel, lce_logit_grad_kernel
+
+    M, K = x2d.shape
+    V = w.shape[0]
+    dev = x2d.device
+    rows = lce_token_chunk(M, V, x2d.element_size())
+    loss = torch.empty((M,), dtype=torch.float32, device=dev)
+    lse = torch.empty((M,), dtype=torch.float32, device=dev)
+    dx = torch.empty((M, K) if need_dx else (0,), dtype=x2d.dtype, device=dev)
+    dw = torch.empty((V, K) if need_dw else (0,), dtype=w.dtype, device=dev)
+    db = torch.zeros((V,) if need_db else (0,), dtype=torch.float32, device=dev)
+    unit = ((target != ignore_index) & (target >= 0) & (target < V)).float()  # each kept row's gradient: 1
+    stats, grad = LCE_STATS_TILE, LCE_GRAD_TILE
+    for m0 in range(0, M, rows):
+        x_c, t_c, u_c = x2d[m0:m0 + rows], target[m0:m0 + rows], unit[m0:m0 + rows]
+        m = x_c.shape[0]
+        p_c = torch.empty((4, 1, m), dtype=torch.float32, device=dev)  # dense: the kernel's planes are m apart
+        z = _chunk_logits(x_c, w, b, 0, V)
+        fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]),), (
+            z, t_c, p_c, m, V, 0, 0, 1, z.stride(0), float(softcap or 0.0)),
+            dict(HAS_SOFTCAP=softcap is not None, **stats))
+        loss[m0:m0 + m], lse[m0:m0 + m] = _rows_from_partials(p_c, t_c, V, ignore_index, smoothing)
+        fastpath.launch(lce_logit_grad_kernel, (cdiv(m, grad["BLOCK_M"]), cdiv(V, grad["BLOCK_V"])), (
+            z, t_c, lse[m0:m0 + m], u_c, m, V, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing), 1.0),
+            dict(HAS_SOFTCAP=softcap is not None, **grad))
+        if need_dx:
+            torch.mm(z, w, out=dx[m0:m0 + m])
+        if need_dw:  # beta 0 on the first chunk: dW's uninitialised memory is not read
+            dw.addmm_(z.t(), x_c, beta=0.0 if m0 == 0 else 1.0)
+        if need_db:
+            db += z.sum(0, dtype=torch.float32)
+    launches.record("linear_cross_entropy", path, f"training form: {cdiv(M, rows)} token chunks of {rows}: logits by "
+                    "a GEMM, folded, dz in place, dx and dW GEMMs", lambda: f"{stats['BLOCK_M']}x{stats['BLOCK_V']}, "
+                    f"{grad['BLOCK_M']}x{grad['BLOCK_V']}")
+    return loss, lse, dx, dw, db
 
 
 LCE_CHUNK_BYTES = 128 * 2**20  # the one [T, VC] logits chunk of the backward (and of the chunked forward)
