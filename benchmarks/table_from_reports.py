@@ -1,12 +1,13 @@
-"""Merge the configs a GPU report run autotuned (report.json's "tuning" records) into a shipped table,
-the same format `tilefuse tune --out` writes. Records whose kernel changed since the run can be left
-out, so their keys are tuned afresh:
+"""Merge the configs a GPU report run autotuned and the backend choices it measured (report.json's "tuning"
+records) into a shipped table, the same format `tilefuse tune --out` writes. Records whose kernel changed since
+the run can be left out, so their keys are tuned afresh; ``--only`` keeps only the tables whose name matches:
 
   PYTHONPATH=src python benchmarks/table_from_reports.py OUT.json REPORT.json [...] \
-      [--drop KERNEL] [--drop-key KERNEL:REGEX]
+      [--drop KERNEL] [--drop-key KERNEL:REGEX] [--only REGEX]
 
-Only records measured on the report's own GPU ("autotuned", or "user cache" from the same machine) are
-taken; each keeps its timings, so the report can still show what the stored choice beat.
+Only records measured on the report's own GPU ("autotuned" kernel configs, "measured" backend choices, or "user
+cache" from the same machine) are taken; each keeps its timings, so the report can still show what the stored
+choice beat.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def main(argv=None) -> int:
     ap.add_argument("reports", nargs="+")
     ap.add_argument("--drop", action="append", default=[], help="kernel name to leave out")
     ap.add_argument("--drop-key", action="append", default=[], help="KERNEL:REGEX of keys to leave out")
+    ap.add_argument("--only", default=None, help="REGEX: take only the tables whose name matches")
     args = ap.parse_args(argv)
+    only = re.compile(args.only) if args.only else None
     drop_keys = [(k, re.compile(rx)) for k, rx in (d.split(":", 1) for d in args.drop_key)]
     gpus, records = set(), []
     for path in args.reports:
@@ -31,7 +34,9 @@ def main(argv=None) -> int:
         gpus.add(report["environment"]["device"])
         for op in report["ops"].values():
             for r in op.get("tuning", []):
-                if r["source"] not in ("autotuned", "user cache") or r["kernel"] in args.drop:
+                if r["source"] not in ("autotuned", "measured", "user cache") or r["kernel"] in args.drop:
+                    continue
+                if only is not None and not only.search(r["kernel"]):
                     continue
                 if any(r["kernel"] == k and rx.search(r["key"]) for k, rx in drop_keys):
                     continue

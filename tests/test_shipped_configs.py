@@ -12,10 +12,11 @@ import json
 import pytest
 import torch
 
+import tilefuse
 from helpers import check_against_reference
 from tilefuse import registry, sizes, tuning
 from tilefuse.kernels import fastpath
-from tilefuse.tuning import tables
+from tilefuse.tuning import choices, tables
 
 SLUG = "nvidia-h200"
 TABLE = tables.load_shipped_table(tables.shipped_table_path(SLUG))
@@ -28,6 +29,13 @@ FAMILIES = {
               "layer_norm_linear_train", "qkv_projection_train")),
     "norms": (("norm_fwd",), ("layer_norm", "rms_norm", "layer_norm_linear")),
     "softmax": (("softmax_fwd_block", "softmax_fwd_long", "softmax_bwd_block"), ("softmax", "softmax_backward")),
+    # the measured choices between tilefuse's kernels and the vendor's (tuning.choices), under the default backend
+    "backends": (("norm_forward_backend", "norm_backward_backend", "softmax_forward_backend",
+                  "softmax_backward_backend", "linear_forward_backend", "gated_linear_forward_backend",
+                  "layer_norm_linear_forward_backend", "linear_backward_backend"),
+                 ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward", "softmax", "softmax_backward",
+                  "linear", "gated_linear", "layer_norm_linear", "linear_train", "gated_linear_train",
+                  "layer_norm_linear_train", "qkv_projection_train")),
 }
 
 
@@ -94,9 +102,11 @@ def shipped_tuners(monkeypatch, tmp_path):
         monkeypatch.setattr(t, "pinned", False)
         monkeypatch.setattr(t, "cache", {})
         monkeypatch.setattr(t, "records", {})
+    choices.clear_choices()  # backend choices: read from the table again, never timed (tuning is off in the suite)
     fastpath.clear_all()
     yield
     fastpath.clear_all()
+    choices.clear_choices()
 
 
 @pytest.mark.gpu_only
@@ -109,9 +119,12 @@ def test_each_shipped_config_computes_its_bucket_against_float64(family, shipped
     kernels, ops = FAMILIES[family]
     device = torch.device("cuda")
     runs = [(op, None, lambda p: True) for op in ops] + SWITCHED.get(family, [])
+    # The kernels' configs under tilefuse's backend (a shipped vendor choice would leave their keys unreached),
+    # the backend choices under the default one.
+    backend = "auto" if family == "backends" else "tilefuse"
     for op, switch, wanted in runs:
         spec = registry.get(op)
-        with pytest.MonkeyPatch.context() as m:
+        with pytest.MonkeyPatch.context() as m, tilefuse.use_backend(backend):
             if switch is not None:
                 m.setattr(launch, switch, False)
                 fastpath.clear_all()
@@ -123,6 +136,7 @@ def test_each_shipped_config_computes_its_bucket_against_float64(family, shipped
                     check_against_reference(variant, params, device, seed=len(spec.label(params)))
                     torch.cuda.empty_cache()
         fastpath.clear_all()
-    served = {(r["kernel"], r["key"]) for r in tuning.tuning_records() if r["source"] == "shipped"}
+    served = {(r["kernel"], r["key"]) for r in [*tuning.tuning_records(), *choices.choice_records()]
+              if r["source"] == "shipped"}
     unserved = [(k, key) for k in kernels for key in TABLE.get(k, {}) if (k, key) not in served]
     assert not unserved, "shipped entries no case of " + ", ".join(ops) + " ran:\n" + json.dumps(unserved, indent=1)
