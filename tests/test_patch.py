@@ -3,6 +3,7 @@ a Sequential MLP with GELU, torch's LayerNorm, and parts it must refuse (Gemma's
 import copy
 import io
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -94,6 +95,14 @@ def test_patch_replaces_what_it_recognises_and_keeps_the_outputs():
         got = model(x)
     assert_close(got, want, REL_L2_BOUND[DTYPE], "patched vs the float64 model")
     assert "replaced" in str(report) and "skipped" in str(report)
+
+
+@pytest.mark.parametrize("backend", ["auto", "tilefuse", "vendor"])
+def test_the_report_names_the_backend_in_force(backend):
+    with tilefuse.use_backend(backend):
+        report = tilefuse.patch(_model())
+    assert report.backend == backend
+    assert str(report).splitlines()[0].endswith(f"(backend {backend}: {tilefuse.patching.BACKEND_MEANING[backend]})")
 
 
 def test_parameters_are_shared_and_state_dicts_unchanged():

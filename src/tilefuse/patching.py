@@ -28,16 +28,26 @@ from tilefuse.patching_hf import rel_l2 as _rel_l2
 _ORIGINALS = "_tilefuse_originals"  # attribute on the patched root: path -> the module it replaced
 
 
+# What each backend means for the replaced modules' calls (the launch records name what each call ran).
+BACKEND_MEANING = {"auto": "per shape bucket tilefuse's kernels or the vendor's, whichever measured faster",
+                   "tilefuse": "tilefuse's kernels only", "vendor": "the vendor's compositions where there is one"}
+
+
 @dataclass
 class PatchReport:
     """What ``patch`` did: ``replaced`` (path, old class, new class, the check it passed) and ``skipped``
-    (path, reason)."""
+    (path, reason); ``backend``: the backend in force when it patched (``tilefuse.runtime.backend``), which the
+    replaced modules' calls take unless a later ``use_backend`` block or ``TILEFUSE_BACKEND`` says otherwise."""
 
     replaced: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
+    backend: str = ""
 
     def __str__(self) -> str:
-        lines = [f"tilefuse.patch: {len(self.replaced)} replaced, {len(self.skipped)} skipped"]
+        head = f"tilefuse.patch: {len(self.replaced)} replaced, {len(self.skipped)} skipped"
+        if self.backend:
+            head += f" (backend {self.backend}: {BACKEND_MEANING[self.backend]})"
+        lines = [head]
         lines += [f"  replaced {path}: {old} -> {new} ({check})" for path, old, new, check in self.replaced]
         lines += [f"  skipped  {path}: {reason}" for path, reason in self.skipped]
         return "\n".join(lines)
@@ -174,8 +184,8 @@ def patch(model: torch.nn.Module, *, norm: bool = True, mlp: bool = True, qkv: b
           linear: bool = True, loss: bool = True, verify: bool = True) -> PatchReport:
     """Replace, in place, the parts of ``model`` tilefuse fuses (see the module doc); returns the report.
     Patching a patched model changes nothing and says so; :func:`unpatch` undoes it."""
-    from tilefuse import patching_hf
-    report = PatchReport()
+    from tilefuse import patching_hf, runtime
+    report = PatchReport(backend=runtime.backend())
     originals = getattr(model, _ORIGINALS, None)
     if originals or getattr(model, patching_hf._STATE, None):
         report.skipped.append(("", f"already patched ({len(originals or {})} modules); unpatch first to patch again"))
