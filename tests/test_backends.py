@@ -198,6 +198,18 @@ def test_vendor_attention_without_sdpas_semantics_takes_tilefuses_kernels(what, 
         assert not {r.kernel for r in recs} & VENDOR_KERNELS, recs
 
 
+def test_vendor_sdpa_causal_with_fewer_queries_than_keys_takes_tilefuses(device):
+    """SDPA's causal mask from the top-left corner, 17 queries over 40 keys: the flash kernel would put the corner
+    bottom-right, so the call stays tilefuse's, and matches float64."""
+    q, k, v = _attention_inputs(device, torch.bfloat16, Nq=17, Nk=40, grad=False)
+    with tilefuse.use_backend("vendor"), launches.recording() as recs:
+        out = tilefuse.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert_close(out, ref, default_tolerance(q.dtype), "top-left causal, 17 queries over 40 keys")
+    if runtime.execution_path(q) != runtime.REFERENCE:
+        assert recs and not {r.kernel for r in recs} & VENDOR_KERNELS, recs
+
+
 @pytest.mark.parametrize("mode", ["tilefuse", "vendor"])
 def test_attention_backward_with_an_lse_gradient_takes_tilefuses(mode, device):
     """SDPA's backward has no gradient through the lse: a loss that reads it keeps tilefuse's backward, under

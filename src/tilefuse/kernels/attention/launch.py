@@ -553,20 +553,29 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
 # natural log (or empty), dq/dk/dv in q's / k's / v's layouts.
 SDPA_CUDNN = "sdpa_cudnn"
 SDPA_FLASH = "sdpa_flash"
-FORWARD_CHOICE = tuning.BackendChoice("attention_forward_backend", (tuning.TILEFUSE, SDPA_CUDNN, SDPA_FLASH))
-BACKWARD_CHOICE = tuning.BackendChoice("attention_backward_backend", (tuning.TILEFUSE, SDPA_CUDNN, SDPA_FLASH))
-# Head dims each takes on CUDA (multiples of 8): PyTorch's cuDNN path up to 128, its flash kernel up to 256.
-SDPA_MAX_HEAD_DIM = {SDPA_CUDNN: 128, SDPA_FLASH: 256}
+# The flash kernel first: a call with no stored or measured choice (autotuning off, CUDA-graph capture) takes the
+# first vendor candidate under ``vendor``, and the flash kernel takes every layout with a unit last stride.
+FORWARD_CHOICE = tuning.BackendChoice("attention_forward_backend", (tuning.TILEFUSE, SDPA_FLASH, SDPA_CUDNN))
+BACKWARD_CHOICE = tuning.BackendChoice("attention_backward_backend", (tuning.TILEFUSE, SDPA_FLASH, SDPA_CUDNN))
+# Head dims each takes on CUDA (multiples of 8): PyTorch's flash kernel up to 256, its cuDNN path up to 128.
+SDPA_MAX_HEAD_DIM = {SDPA_FLASH: 256, SDPA_CUDNN: 128}
+
+
+def _bhnd_or_bnhd(t: torch.Tensor) -> bool:
+    """t [B, H, N, d] dense as [B, H, N, d] or as [B, N, H, d] (FlashAttention's layout), the layouts PyTorch's
+    cuDNN path takes."""
+    return t.is_contiguous() or t.transpose(1, 2).is_contiguous()
 
 
 def sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softcap, alibi, varlen, dlse=None) -> tuple:
     """The SDPA kernels whose semantics are this call's: no mask, score modifier, packed sequences or lse
-    gradient (``dlse``), one key head per query head, and full attention or causal with queries and keys
-    aligned at the start (SDPA's ``is_causal`` is top-left: ``pos_offset`` 0); on CUDA fp16/bf16 with unit last
-    strides and a head dim of at most ``SDPA_MAX_HEAD_DIM``, a multiple of 8."""
+    gradient (``dlse``), one key head per query head, and full attention or causal with as many queries as keys
+    (the kernels' causal masks start at different corners when the counts differ: SDPA's semantics top-left, the
+    flash kernel bottom-right); on CUDA fp16/bf16 with unit last strides and a head dim of at most
+    ``SDPA_MAX_HEAD_DIM``, a multiple of 8, and for cuDNN dense [B, H, N, d] or [B, N, H, d] layouts."""
     if mask is not None or softcap is not None or alibi is not None or varlen is not None or dlse is not None:
         return ()
-    causal = window_left < 0 and window_right == 0 and pos_offset == 0
+    causal = window_left < 0 and window_right == 0 and pos_offset == 0 and q.shape[2] == k.shape[2]
     if not (causal or (window_left < 0 and window_right < 0)) or q.shape[1] != k.shape[1]:
         return ()
     if not q.is_cuda:
@@ -575,7 +584,8 @@ def sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softca
     if (q.dtype not in (torch.float16, torch.bfloat16) or d % 8
             or any(t.stride(-1) != 1 for t in (q, k, v))):
         return ()
-    return tuple(c for c in (SDPA_CUDNN, SDPA_FLASH) if d <= SDPA_MAX_HEAD_DIM[c])
+    cudnn = d <= SDPA_MAX_HEAD_DIM[SDPA_CUDNN] and all(_bhnd_or_bnhd(t) for t in (q, k, v))
+    return (SDPA_FLASH, SDPA_CUDNN) if cudnn else (SDPA_FLASH,)
 
 
 def _choice_key(q, k, causal: bool, return_lse: bool):
