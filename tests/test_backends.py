@@ -210,6 +210,27 @@ def test_vendor_sdpa_causal_with_fewer_queries_than_keys_takes_tilefuses(device)
         assert recs and not {r.kernel for r in recs} & VENDOR_KERNELS, recs
 
 
+@pytest.mark.parametrize("how", ["argument", "torch flag"])
+def test_a_deterministic_backward_stays_tilefuses_under_vendor(how, device):
+    """SDPA's backwards may accumulate dQ in an order that varies run to run: ``deterministic=True``, or torch's
+    deterministic algorithms, keep the backward on tilefuse's kernels (the forward may still be SDPA's)."""
+    q, k, v = _attention_inputs(device, torch.bfloat16)
+    dout = torch.randn_like(q)
+    saved = torch.are_deterministic_algorithms_enabled()
+    try:
+        with tilefuse.use_backend("vendor"), launches.recording() as recs:
+            if how == "torch flag":
+                torch.use_deterministic_algorithms(True)
+            got = _attention_grads(q, k, v, dout, causal=True, deterministic=how == "argument")
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    for g, r, name in zip(got, _attention_float64(q, k, v, dout, causal=True), ("out", "dq", "dk", "dv")):
+        assert_close(g, r, default_tolerance(q.dtype), f"deterministic ({how}): {name}")
+    if runtime.execution_path(q) != runtime.REFERENCE:
+        kinds = {r.op: r.kernel for r in recs}
+        assert kinds["attention"] in VENDOR_KERNELS and kinds["attention_backward"] not in VENDOR_KERNELS, recs
+
+
 @pytest.mark.parametrize("mode", ["tilefuse", "vendor"])
 def test_attention_backward_with_an_lse_gradient_takes_tilefuses(mode, device):
     """SDPA's backward has no gradient through the lse: a loss that reads it keeps tilefuse's backward, under

@@ -68,12 +68,13 @@ def _per_sequence(cu_q, cu_k):
 
 def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap=None,
                     alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                    out_bnhd=False, kernel="auto"):
+                    out_bnhd=False, deterministic=False, kernel="auto"):
     """(out, lse) for 4-D q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], mask None or a view of
     [B, Hq, Nq, Nk], alibi None or fp32 slopes viewed as [B, Hq]; lse is an empty tensor without
     ``return_lse``. Packed sequences (``cu_seqlens_q`` given): q/k/v viewed [1, H, total, d], each sequence
     bottom-right aligned on its own, alibi [sequences, Hq]. ``out_bnhd``: out laid out [B, Nq, Hq, d] (as
-    packed sequences always are; see ``_empty_outputs``). ``kernel`` forces a kernel of the launch layer
+    packed sequences always are; see ``_empty_outputs``). ``deterministic``: the forward's kernels are
+    (the argument is kept for the backward, see ``launch.backward``). ``kernel`` forces a kernel of the launch layer
     (its ``KERNELS``); the registered op always takes "auto".
 
     With ALiBi the lse is the op's own: ALiBi measured from each row's nearest key (the kernels'
@@ -127,23 +128,23 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
                   return_lse: bool, softcap: Optional[float] = None, alibi: Optional[torch.Tensor] = None,
                   cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                  out_bnhd: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  out_bnhd: bool = False, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward behind tilefuse.attention, attention_varlen and the flash_attn functions (arguments as
     ``_attention_impl``). Its lse, with ALiBi, is the row-shifted one the backward needs: the public
     functions convert it (``_user_lse``)."""
     return _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi,
-                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out_bnhd)
+                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out_bnhd, deterministic)
 
 
 @_attention_op.register_fake
 def _(q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap=None, alibi=None,
-      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, out_bnhd=False):
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, out_bnhd=False, deterministic=False):
     return _empty_outputs(q, return_lse, out_bnhd or cu_seqlens_q is not None)
 
 
 def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right,
                              softcap=None, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-                             max_seqlen_k=0):
+                             max_seqlen_k=0, deterministic=False):
     path = runtime.execution_path(q)
     Nq, Nk = q.shape[2], k.shape[2]
     varlen = cu_seqlens_q is not None
@@ -172,7 +173,8 @@ def _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_
     with _dispatch.on_device(q):
         return launch.backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right,
                                path, softcap, alibi,
-                               (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) if varlen else None)
+                               (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) if varlen else None,
+                               deterministic)
 
 
 @torch.library.custom_op("tilefuse::attention_backward", mutates_args=())
@@ -181,28 +183,29 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            scale: Optional[float], bottom_right: bool, window_left: int,
                            window_right: int, softcap: Optional[float] = None, alibi: Optional[torch.Tensor] = None,
                            cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                           max_seqlen_q: int = 0,
-                           max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                           deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _attention_backward_impl(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left,
                                     window_right, softcap, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k)
+                                    max_seqlen_k, deterministic)
 
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, mask, scale, bottom_right, window_left, window_right, softcap=None, alibi=None,
-      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=False):
     return tuple(torch.empty_like(t) for t in (q, k, v))  # the inputs' layouts, as the kernels write them
 
 
 def _setup_attention(ctx, inputs, output):
     (q, k, v, mask, scale, bottom_right, window_left, window_right, return_lse, softcap, alibi, cu_q, cu_k, max_q,
-     max_k, _) = (*inputs, *(None, None, None, None, 0, 0, False)[len(inputs) - 9:])
+     max_k, _, deterministic) = (*inputs, *(None, None, None, None, 0, 0, False, False)[len(inputs) - 9:])
     out, lse = output
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, mask, out, lse, alibi, cu_q, cu_k)
     ctx.args = (scale, bottom_right, window_left, window_right, softcap)
     ctx.lengths = (max_q, max_k)
     ctx.has_lse = return_lse
+    ctx.deterministic = deterministic
     ctx.n_inputs = len(inputs)
 
 
@@ -217,7 +220,7 @@ def _attention_backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     if dlse is not None:  # the kernels read it in the lse's layout; autograd's may be expanded (loss = lse.sum())
         dlse = dlse.contiguous()
-    args = (dout, q, k, v, out, lse, dlse, mask, *ctx.args, alibi, cu_q, cu_k, *ctx.lengths)
+    args = (dout, q, k, v, out, lse, dlse, mask, *ctx.args, alibi, cu_q, cu_k, *ctx.lengths, ctx.deterministic)
     if _dispatch.direct(dout, q, k, v, out, lse, dlse, mask, alibi):
         dq, dk, dv = _attention_backward_impl(*args)
     else:
@@ -241,11 +244,11 @@ def _check_trainable(name, q, heads, mask=None):
 
 
 def _run(q, k, v, mask, scale, bottom_right, left, right, return_lse, name, softcap=None, alibi=None,
-         out_bnhd=False):
+         out_bnhd=False, deterministic=False):
     """The forward, through the op with its autograd when a gradient is needed (keeping the lse the
     backward reads), else directly when the call is plain eager. The lse is the op's (see ``_user_lse``)."""
     args = (q, k, v, mask, scale, bottom_right, left, right)
-    modifiers = (softcap, alibi, None, None, 0, 0, out_bnhd)
+    modifiers = (softcap, alibi, None, None, 0, 0, out_bnhd, deterministic)
     if grad_needed(q, k, v):
         _check_trainable(name, q, q.shape[0] * q.shape[1], mask)
         return _attention_call(*args, True, *modifiers)
@@ -302,8 +305,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``d ** -0.5``. ``return_lse=True`` returns ``(out, lse)``, lse fp32 ``[B, Hq, Nq]`` natural log.
     d <= 256; fp16, bf16, fp32 (full fp32 dots unless ``allow_tf32``). Differentiable in q, k and v
     (and through lse): FlashAttention's backward, recomputing the scores tile by tile from the saved
-    lse, GQA gradients summed over each group on chip. Forward and backward use no atomics, so they are
-    deterministic whatever ``deterministic`` says (accepted for the API; it costs nothing here).
+    lse, GQA gradients summed over each group on chip. tilefuse's kernels use no atomics: bit-identical run to
+    run. Where the backward may take SDPA's kernels instead (the backends ``auto`` and ``vendor``), which may not
+    be, ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` keeps it on tilefuse's.
     ``softcap``: Gemma 2's soft-capping, ``softcap * tanh(s / softcap)`` on the scaled scores s.
     ``alibi_slopes``: fp32 ``[Hq]`` or ``[B, Hq]``, adds ``-slope * |p - j|`` (p the query's bottom-right
     aligned position, FlashAttention's convention) after the cap; both compose with causal, windows and
@@ -340,7 +344,8 @@ def _attention(q, k, v, causal, window, scale, return_lse, deterministic, softca
     if causal:
         right = 0
     scale = None if scale is None else float(scale)
-    out, lse = _run(q, k, v, None, scale, True, left, right, return_lse, "attention", softcap, alibi, out_bnhd)
+    out, lse = _run(q, k, v, None, scale, True, left, right, return_lse, "attention", softcap, alibi, out_bnhd,
+                    deterministic)
     return (out, _user_lse(lse, alibi, k.shape[2], k.shape[2] - q.shape[2])) if return_lse else out
 
 
@@ -606,7 +611,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         right = 0
     scale = None if scale is None else float(scale)
     args = (q4, k4, v4, None, scale, True, left, right)
-    varlen = (softcap, alibi, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    varlen = (softcap, alibi, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), False, deterministic)
     if grad_needed(q, k, v):
         out, lse = _attention_call(*args, True, *varlen)
     elif _dispatch.direct(q4, k4, v4, alibi, cu_seqlens_q, cu_seqlens_k):

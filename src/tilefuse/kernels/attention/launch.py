@@ -440,35 +440,39 @@ WS_BACKWARD_WIDE_KERNEL = "ws: rowdot, dk/dv wide, dq (no atomics)"
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int, window_left: int,
-             window_right: int, path, softcap=None, alibi=None, varlen=None):
+             window_right: int, path, softcap=None, alibi=None, varlen=None, deterministic=False):
     """(dq, dk, dv) of the attention op from dout [B, Hq, Nq, d] (any strides), the forward's q, k, v, out and
     lse (fp32 [B, Hq, Nq], contiguous), dlse (the lse output's gradient, same layout) or None, and the
-    forward's mask and positions. dq/dk/dv contiguous in q's / k's / v's shapes, q's dtype."""
+    forward's mask and positions. dq/dk/dv contiguous in q's / k's / v's shapes, q's dtype. ``deterministic`` (or
+    torch's deterministic algorithms) leaves out SDPA's backwards, whose dQ accumulation may vary run to run."""
     precision = precision_for(q.dtype, q.is_cuda)
     mode = runtime.backend()
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
     def full():
         return _backward_chosen(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right,
-                                path, softcap, alibi, varlen, precision, mode)
+                                path, softcap, alibi, varlen, precision, mode, deterministic)
 
     if not BACKWARD_REPLAY:
         return full()[:3]
     cu = varlen[:2] if varlen is not None else (None, None)
     return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask, alibi, *cu),
                          (scale, pos_offset, window_left, window_right, softcap, None if varlen is None else varlen[2:],
-                          precision, mode), full)[:3]
+                          precision, mode, deterministic), full)[:3]
 
 
 def _backward_chosen(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path, softcap,
-                     alibi, varlen, precision, mode):
+                     alibi, varlen, precision, mode, deterministic):
     def run(candidate):
         if candidate == tuning.TILEFUSE:
             return _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path,
                              softcap, alibi, varlen, precision)
         return _backward_sdpa(candidate, dout, q, k, v, out, lse, scale, window_right == 0, path)
 
-    available = (tuning.TILEFUSE,) + sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softcap,
-                                                     alibi, varlen, dlse)
+    available = (tuning.TILEFUSE,)
+    if not deterministic:
+        available += sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softcap, alibi, varlen,
+                                     dlse)
     return fastpath.run_chosen(BACKWARD_CHOICE, mode, available, lambda: _choice_key(q, k, window_right == 0, False),
                                q.device, run)
 
