@@ -22,6 +22,9 @@
 # (benchmarks/gemm_coop_ws.py bench and forward, attention_bwd_wide.py and decode_gemv.py bench), or LABS="lab:command ..." for
 # some of them (e.g. LABS="gemm_coop_ws:forward"); LAB_LIMIT seconds each (default 150), each into
 # $OUT/lab_<lab>_<command>.jsonl.
+# HOST_PROFILES=1 to profile the host side of the rows the default backend trails on by host time, after the report
+# (benchmarks/host_profile.py: linear_train M512, linear M64, layer_norm_linear's rms row at K 768), each into
+# $OUT/host_profile_<op>.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tilefuse_out}
@@ -67,6 +70,15 @@ run_report() {  # `tilefuse report` for OPS into $OUT/report.tgz, inside what is
   tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$OUT/report"
 }
 if [ "${REPORT:-1}" = 1 ] && [ "${REPORT_FIRST:-0}" = 1 ]; then run_report; fi
+if [ "${HOST_PROFILES:-0}" = 1 ]; then
+  for row in "linear_train|M512 " "linear|M64 " "layer_norm_linear|M16384 K768 N2304 rms"; do
+    op=${row%%|*}
+    timeout 90 python3 benchmarks/host_profile.py --op "$op" --case "${row#*|}" --calls 300 --rows 40 \
+      > "$OUT/host_profile_$op.txt" 2>&1
+    echo "host profile exit: $?" >> "$OUT/host_profile_$op.txt"
+    head -1 "$OUT/host_profile_$op.txt"
+  done
+fi
 K_EXPR=${TEST_K:-}   # pytest -k expression; default: the whole suite
 if [ "${TESTS:-1}" = 1 ]; then
   # Tests pin each kernel to its first config (TILEFUSE_AUTOTUNE=0): hundreds of small shapes must not
