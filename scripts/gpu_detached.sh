@@ -3,8 +3,8 @@
 # the device lets outlive the call that started it, while the machine stays warm), and each later call waits on it.
 #   scripts/gpu_detached.sh start [OPS...]   start gpu_check.sh (its knobs from the environment), then wait as poll
 #   scripts/gpu_detached.sh poll              wait until it ends or POLL_S seconds (default 560) pass
-# Either way the call returns with the run's files as they stand copied to $OUT (the report's log while it runs,
-# report.tgz and the rest once it ends) and prints its last lines. The machine goes back 30 s after a call
+# Either way the call returns with the run's files as they stand copied to $OUT (the logs and results.log while it
+# runs, report.tgz and the rest once it ends) and prints its last lines. The machine goes back 30 s after a call
 # returns with no next call: chain the polls at once, or the run is lost with the machine.
 set -u
 cd "$(dirname "$0")/.."
@@ -24,8 +24,16 @@ end=$(( $(date +%s) + ${POLL_S:-560} ))
 while [ ! -f "$RUN/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
 OUT_DIR=${OUT:-/tmp/tilefuse_out}
 mkdir -p "$OUT_DIR"
-cp "$RUN"/out/* "$OUT_DIR"/ 2>/dev/null
-if [ -f "$RUN/done" ]; then cat "$RUN/done"; else echo "still running"; fi
+# While it runs, the files a resume needs (the device returns at most 8); once it ends, gpu_check.sh has packed
+# everything into at most 8.
+if [ -f "$RUN/done" ]; then
+  cp "$RUN"/out/* "$OUT_DIR"/ 2>/dev/null
+  cat "$RUN/done"
+else
+  for f in report.log tests.log results.log env.txt; do cp "$RUN/out/$f" "$OUT_DIR"/ 2>/dev/null; done
+  cp "$RUN"/out/host_profile_*.txt "$OUT_DIR"/ 2>/dev/null
+  echo "still running"
+fi
 for f in report.log tests.log; do
   [ -f "$RUN/out/$f" ] && { echo "== $f"; grep -v -e UserWarning -e "return torch" "$RUN/out/$f" | tail -8; }
 done
