@@ -24,13 +24,13 @@ end=$(( $(date +%s) + ${POLL_S:-560} ))
 while [ ! -f "$RUN/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
 OUT_DIR=${OUT:-/tmp/tilefuse_out}
 mkdir -p "$OUT_DIR"
-# While it runs, the files a resume needs (the device returns at most 8); once it ends, gpu_check.sh has packed
+# While it runs, the report and the files a resume needs (the device returns at most 8); once it ends, gpu_check.sh has packed
 # everything into at most 8.
 if [ -f "$RUN/done" ]; then
   cp "$RUN"/out/* "$OUT_DIR"/ 2>/dev/null
   cat "$RUN/done"
 else
-  for f in report.log tests.log results.log env.txt; do cp "$RUN/out/$f" "$OUT_DIR"/ 2>/dev/null; done
+  for f in report.log report.tgz tests.log results.log; do cp "$RUN/out/$f" "$OUT_DIR"/ 2>/dev/null; done
   cp "$RUN"/out/host_profile_*.txt "$OUT_DIR"/ 2>/dev/null
   echo "still running"
 fi
