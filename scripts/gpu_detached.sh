@@ -24,8 +24,8 @@ end=$(( $(date +%s) + ${POLL_S:-560} ))
 while [ ! -f "$RUN/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
 OUT_DIR=${OUT:-/tmp/tilefuse_out}
 mkdir -p "$OUT_DIR"
-# While it runs, the report and the files a resume needs (the device returns at most 8); once it ends, gpu_check.sh has packed
-# everything into at most 8.
+# While it runs, the report and the files a resume needs (the device returns at most 8 files); once it ends,
+# gpu_check.sh has packed everything into at most 8.
 if [ -f "$RUN/done" ]; then
   cp "$RUN"/out/* "$OUT_DIR"/ 2>/dev/null
   cat "$RUN/done"
