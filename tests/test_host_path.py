@@ -682,3 +682,46 @@ def test_a_patched_models_training_step_replays_every_launch_but_the_fused_loss(
     assert {k for k in full_path_kernels(True) if not k.startswith("lce_")} == set()
     assert {"attention_bwd_rowdot_kernel", "attention_bwd_dkdv_ws_kernel", "attention_bwd_dq_ws_kernel"} \
         <= full_path_kernels(False)
+
+
+def test_a_vendor_composition_replays_without_the_launch_modules_decisions(pinned_tuners, monkeypatch):
+    """A call that took a vendor composition keeps a plan that calls the composition again on the next call's own
+    tensors: the launch module's decisions (its candidates, the choice) are skipped, the vendor kernels still run
+    and record what ran, and the result is the next call's. A kernel of tilefuse's launched inside the composition
+    (the gated form's gate kernel) runs again through it. Forgetting the choices (clear_choices) ends the plans made
+    through a choice among candidates."""
+    import tilefuse
+    from tilefuse.kernels.gemm import launch
+    from tilefuse.tuning import choices
+
+    decisions = []
+    original = launch._linear_chosen
+
+    def counting(*args):
+        decisions.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(launch, "_linear_chosen", counting)
+    x1, w, b = _linear_inputs(64, 256, 128, seed=0)
+    x2, _, _ = _linear_inputs(64, 256, 128, seed=1)
+    with torch.no_grad(), stubbed_launches() as stub, launches.recording() as recs, tilefuse.use_backend("vendor"):
+        y1 = tilefuse.linear(x1, w, b, "gelu")
+        y2 = tilefuse.linear(x2, w, b, "gelu")
+        assert decisions == ["vendor"], "the second call replayed"
+        assert [r.kernel for r in recs] == ["cublas", "cublas"]
+        ref = torch.nn.functional.gelu(torch.nn.functional.linear(x2.float(), w.float(), b.float()))
+        assert (y2.float() - ref).norm() / ref.norm() < 1e-2 and not torch.equal(y1, y2)
+        with tilefuse.use_backend("auto"):  # two candidates on this CPU: the choice answers tilefuse's
+            tilefuse.linear(x1, w, b, "gelu")
+            tilefuse.linear(x1, w, b, "gelu")
+            assert decisions == ["vendor", "auto"] and stub[-1].replay
+            choices.clear_choices()
+            tilefuse.linear(x1, w, b, "gelu")
+            assert decisions == ["vendor", "auto", "auto"] and not stub[-1].replay
+        gate_launches = len(stub)
+        for _ in range(2):
+            tilefuse.linear(x1, (w, w), (b, b), activation="swiglu")
+        assert [s.kernel for s in stub[gate_launches:]] == ["glu_gate_kernel"] * 2 and not any(
+            s.replay for s in stub[gate_launches:])
+        gated = launch._GATED._plans
+        assert any(type(p).__name__ == "VendorPlan" for p in gated.values())

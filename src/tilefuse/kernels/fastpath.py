@@ -24,6 +24,13 @@ output is written by some launch; anything else (a temporary, an output written 
 the key take the full path every time. The rule for launch modules: outputs are produced only by
 kernels launched through :func:`launch`, and a temporary a launch reads is returned beside them.
 
+A call that takes a vendor composition (torch's, cuBLAS's or cuDNN's kernels, chosen by ``run_chosen``) replays
+too: the launch module runs the candidate through :func:`vendor`, and a call whose only work was that one
+function, on the call's own input tensors, returning the call's outputs as they are, keeps a plan that calls the
+function again on the next call's tensors, skipping the module's decisions (and the launch path of any kernel of
+tilefuse's the composition itself launches). Such a plan holds while every choice
+it went through still answers the same (``tuning.choices`` caches).
+
 A Gluon host TMA descriptor argument (``TensorDescriptor``) follows the same rule through its base
 tensor: the plan keeps its view (shape, strides, padding: fixed by the key), and a replay hands
 Triton's launcher a descriptor of the same view at the new call's address, which the launcher encodes
@@ -94,9 +101,30 @@ def run_chosen(choice, mode: str, available: tuple, key, device, run):
     among ``available``. ``key()`` makes the choice's key, only where more than one candidate is allowed (so a
     call with one, such as any call under ``tilefuse``, builds none); a candidate timed to choose runs aside."""
     allowed = choice.allowed(mode, available)
+    capture = getattr(_local, "capture", None)
     if len(allowed) == 1:
         return run(allowed[0])
-    return run(choice.choose(mode, available, key(), device, lambda c: run_aside(run, c)))
+    k = key()
+    candidate = choice.choose(mode, available, k, device, lambda c: run_aside(run, c))
+    if capture is not None:  # a plan made of this call holds until the choice forgets what it answered
+        capture.choices.append((choice, choice.generation))
+    return run(candidate)
+
+
+def vendor(fn, *args):
+    """``fn(*args)``: a launch module's vendor composition (torch's, cuBLAS's or cuDNN's kernels). While a plan is
+    captured, the outermost such call is noted, so that the plan can replay it (see the module doc)."""
+    capture = getattr(_local, "capture", None)
+    if capture is None or getattr(_local, "in_vendor", False):
+        return fn(*args)
+    _local.in_vendor = True
+    before = len(capture.launches)
+    try:
+        out = fn(*args)
+    finally:
+        _local.in_vendor = False
+    capture.vendor.append((fn, args, out, len(capture.launches) - before))
+    return out
 
 
 def clear_all() -> None:
@@ -172,15 +200,17 @@ class _Step:
 class Plan:
     """A replayable call: the outputs to allocate and the launches to issue."""
 
-    __slots__ = ("outputs", "steps", "stream", "records", "single", "scratch")
+    __slots__ = ("outputs", "steps", "stream", "records", "single", "scratch", "choices")
 
-    def __init__(self, outputs, steps, stream, records, single):
+    def __init__(self, outputs, steps, stream, records, single, choices=()):
         self.outputs, self.steps, self.stream, self.records, self.single = outputs, steps, stream, records, single
+        self.choices = choices  # (choice, generation) of the backend choices the call went through
         # A replay on another thread (autograd's backward, a loader) must set that thread's allocator too.
         self.scratch = any(getattr(getattr(s.compiled, "metadata", None), "global_scratch_size", 0) for s in steps)
 
     def current(self) -> bool:
-        return all(s.current() for s in self.steps)
+        return (all(s.current() for s in self.steps)
+                and all(choice.generation == generation for choice, generation in self.choices))
 
     def __call__(self, inputs):
         if self.scratch:  # Triton's launcher takes the kernel's global scratch from this thread's allocator
@@ -249,6 +279,8 @@ class Plans:
 class _Capture:
     def __init__(self):
         self.launches = []  # (compiled kernel, grid, bound arguments, tuner or None)
+        self.vendor = []  # (function, arguments, result) of each outermost vendor composition
+        self.choices = []  # (choice, its generation) of each choice among candidates the call went through
         self.ok = True
 
     def add(self, compiled, grid, bound, tuner):
@@ -257,7 +289,9 @@ class _Capture:
             return
         self.launches.append((compiled, grid, bound, tuner))
 
-    def plan(self, inputs, out, stream, recs) -> Plan | None:
+    def plan(self, inputs, out, stream, recs) -> "Plan | VendorPlan | None":
+        if self.vendor:
+            return self._vendor_plan(inputs, out)
         if not self.ok or not self.launches:
             return None
         single = isinstance(out, torch.Tensor)
@@ -313,7 +347,50 @@ class _Capture:
         if len(written) != len(outs):
             return None
         outputs = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outs]
-        return Plan(outputs, steps, stream, tuple(recs), single)
+        return Plan(outputs, steps, stream, tuple(recs), single, tuple(self.choices))
+
+
+    def _vendor_plan(self, inputs, out):
+        """The plan of a call whose only work was one vendor composition on its own inputs, returning its outputs as
+        they are; None for anything else (a launch beside it, a tensor argument that is not an input). Launches
+        inside the composition (its own kernels, such as the gated form's gate kernel) are its own: a replay
+        calls it again, and they run again through it."""
+        if len(self.vendor) != 1:
+            return None
+        fn, args, result, inside = self.vendor[0]
+        if result is not out or len(self.launches) != inside:
+            return None
+        template, sources = list(args), []
+        for pos, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                slot = next((i for i, t in enumerate(inputs) if t is value), None)
+                if slot is None:
+                    return None
+                sources.append((pos, slot))
+                template[pos] = None
+            elif not (value is None or isinstance(value, (int, float, bool, str, tuple))):
+                return None
+        return VendorPlan(fn, template, tuple(sources), tuple(self.choices))
+
+
+class VendorPlan:
+    """A replayable vendor composition: the function, its arguments with the call's input tensors left out (filled
+    from each replay's inputs), and the choices that led to it."""
+
+    __slots__ = ("fn", "args", "sources", "choices")
+
+    def __init__(self, fn, args, sources, choices):
+        self.fn, self.args, self.sources, self.choices = fn, args, sources, choices
+
+    def current(self) -> bool:
+        """False once a choice it went through has forgotten its answers (``BackendChoice.clear``)."""
+        return all(choice.generation == generation for choice, generation in self.choices)
+
+    def __call__(self, inputs):
+        args = self.args.copy()
+        for pos, slot in self.sources:
+            args[pos] = inputs[slot]
+        return self.fn(*args)
 
 
 def _bind(fn, args, kwargs):

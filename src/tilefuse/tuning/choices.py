@@ -64,6 +64,7 @@ class BackendChoice:
         self.cache: dict = {}  # (allowed candidates, key text) -> candidate
         self.records: dict[str, dict] = {}  # key text -> how this process chose
         self._allowed: dict = {}  # (mode, available) -> allowed candidates
+        self.generation = 0  # bumped by clear: replay plans made through this choice check it
         self._lock = threading.Lock()
         _CHOICES[name] = self
 
@@ -146,6 +147,7 @@ class BackendChoice:
     def clear(self) -> None:
         self.cache.clear()
         self.records.clear()
+        self.generation += 1
 
 
 def choice_records() -> list[dict]:

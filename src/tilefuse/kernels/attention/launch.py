@@ -314,7 +314,8 @@ def _forward_chosen(q, k, v, mask, scale, pos_offset, window_left, window_right,
         if candidate == tuning.TILEFUSE:
             return _forward(q, k, v, mask, scale, pos_offset, window_left, window_right, return_lse, path, kernel,
                             softcap, alibi, varlen, out_bnhd, precision)
-        return _forward_sdpa(candidate, q, k, v, scale, window_right == 0, return_lse, out_bnhd, path)
+        return fastpath.vendor(_forward_sdpa, candidate, q, k, v, scale, window_right == 0, return_lse, out_bnhd,
+                               path)
 
     available = (tuning.TILEFUSE,)
     if kernel == "auto":  # a kernel named by the caller is tilefuse's
@@ -467,7 +468,7 @@ def _backward_chosen(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, win
         if candidate == tuning.TILEFUSE:
             return _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right, path,
                              softcap, alibi, varlen, precision)
-        return _backward_sdpa(candidate, dout, q, k, v, out, lse, scale, window_right == 0, path)
+        return fastpath.vendor(_backward_sdpa, candidate, dout, q, k, v, out, lse, scale, window_right == 0, path)
 
     available = (tuning.TILEFUSE,)
     if not deterministic:

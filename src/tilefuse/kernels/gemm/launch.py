@@ -315,7 +315,7 @@ def _linear_chosen(x, weight, bias, activation, precision, path, save_slope, mod
     def run(candidate):
         if candidate == tuning.TILEFUSE:
             return _linear(x, weight, bias, None, None, activation, precision, path, save_slope)
-        return _linear_vendor(candidate, x, weight, bias, activation, path)
+        return fastpath.vendor(_linear_vendor, candidate, x, weight, bias, activation, path)
 
     def key():
         N, K = weight.shape
@@ -340,7 +340,7 @@ def _gated_chosen(x, w_gate, w_up, b_gate, b_up, activation, precision, path, sa
     def run(candidate):
         if candidate == tuning.TILEFUSE:
             return _linear(x, w_gate, b_gate, w_up, b_up, activation, precision, path, save_slope)
-        return _gated_vendor(x, w_gate, w_up, b_gate, b_up, activation, path)
+        return fastpath.vendor(_gated_vendor, x, w_gate, w_up, b_gate, b_up, activation, path)
 
     def key():
         N, K = w_gate.shape
@@ -554,8 +554,8 @@ def _layer_norm_linear_chosen(x2d, norm_weight, norm_bias, weight, bias, eps, is
         if candidate == tuning.TILEFUSE:
             return _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision,
                                       path, save_slope)
-        y, _ = norm_forward(x2d, None, norm_weight, norm_bias, eps, is_rms, path)
-        return (_linear_vendor(CUBLAS, y, weight, bias, activation, path),)
+        return fastpath.vendor(_norm_then_cublas, x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation,
+                               path)
 
     def key():
         (M, K), N = x2d.shape, weight.shape[0]
@@ -571,6 +571,11 @@ def _layer_norm_linear_chosen(x2d, norm_weight, norm_bias, weight, bias, eps, is
 # tilefuse's kernel and torch's), then linear's cuBLAS composition on its output.
 NORM_THEN_CUBLAS = "norm_then_cublas"
 NORM_LINEAR_CHOICE = tuning.BackendChoice("layer_norm_linear_forward_backend", (tuning.TILEFUSE, NORM_THEN_CUBLAS))
+
+
+def _norm_then_cublas(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, path):
+    y, _ = norm_forward(x2d, None, norm_weight, norm_bias, eps, is_rms, path)
+    return (_linear_vendor(CUBLAS, y, weight, bias, activation, path),)
 
 
 def _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path,
@@ -684,7 +689,8 @@ def _linear_backward_chosen(dy, x, w, w_up, slope, slope_up, precision, need_dx,
     def run(candidate):
         if candidate == tuning.TILEFUSE:
             return _linear_backward(dy, x, w, w_up, slope, slope_up, precision, need_dx, need_dw, need_db, path)
-        return _linear_backward_vendor(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db, path)
+        return fastpath.vendor(_linear_backward_vendor, dy, x, w, w_up, slope, slope_up, need_dx, need_dw, need_db,
+                               path)
 
     def key():
         N, K = w.shape

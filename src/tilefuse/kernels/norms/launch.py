@@ -234,7 +234,7 @@ def forward(x2d, res2d, weight, bias, eps: float, is_rms: bool, path):
 def _forward_chosen(x2d, res2d, weight, bias, eps, is_rms, path, mode):
     def run(candidate):
         if candidate == TORCH:
-            return _forward_torch(x2d, res2d, weight, bias, eps, is_rms, path)
+            return fastpath.vendor(_forward_torch, x2d, res2d, weight, bias, eps, is_rms, path)
         return _forward(x2d, res2d, weight, bias, eps, is_rms, path)
 
     available = (tuning.TILEFUSE, TORCH) if _torch_takes(x2d, weight, bias, is_rms=is_rms) else (tuning.TILEFUSE,)
@@ -276,7 +276,8 @@ def backward(dy2d, h2d, weight, stats, dh2d, is_rms: bool, compute_dw: bool, com
 def _backward_chosen(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path, mode):
     def run(candidate):
         if candidate == TORCH:
-            return _backward_torch(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path)
+            return fastpath.vendor(_backward_torch, dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db,
+                                   path)
         return _backward(dy2d, h2d, weight, stats, dh2d, is_rms, compute_dw, compute_db, path)
 
     # aten's fused RMSNorm backward has CUDA kernels only.

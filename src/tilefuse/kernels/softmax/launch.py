@@ -401,7 +401,9 @@ def forward(x, dim: int, algorithm: str, path) -> torch.Tensor:
 
 def _forward_chosen(x, dim, algorithm, path, mode):
     def run(candidate):
-        return _forward_torch(x, dim, path) if candidate == TORCH else _forward(x, dim, algorithm, path)
+        if candidate == TORCH:
+            return fastpath.vendor(_forward_torch, x, dim, path)
+        return _forward(x, dim, algorithm, path)
 
     return fastpath.run_chosen(FORWARD_CHOICE, mode, CANDIDATES, lambda: _choice_key(x, dim), x.device, run)
 
@@ -430,7 +432,7 @@ def backward(y, dy, dim: int, path) -> torch.Tensor:
 
 def _backward_chosen(y, dy, dim, path, mode):
     def run(candidate):
-        return _backward_torch(y, dy, dim, path) if candidate == TORCH else _backward(y, dy, dim, path)
+        return fastpath.vendor(_backward_torch, y, dy, dim, path) if candidate == TORCH else _backward(y, dy, dim, path)
 
     return fastpath.run_chosen(BACKWARD_CHOICE, mode, CANDIDATES, lambda: _choice_key(y, dim), y.device, run)
 
