@@ -23,7 +23,8 @@ def _acc(case, dtype, rel, bound, ok=None, nan=0):
 
 def _row(case, ms, anchors, dtype="bf16"):
     """A timed speed row; anchors: name -> ms, or a 'failed: ...' string."""
-    return dict(case=case, dtype=dtype, ms=ms, host_us=10.0, graph_ms=ms, tflops=1.0, tbps=1.0, roofline_pct=50.0,
+    return dict(case=case, dtype=dtype, ms=ms, host_us=10.0, eager_host_us=7.0, graph_ms=ms, tflops=1.0, tbps=1.0,
+                roofline_pct=50.0,
                 anchors=anchors, rel_l2=1e-3, bound=1e-2, accuracy_pass=True, config="c",
                 speedup={k: (v / ms if isinstance(v, float) else None) for k, v in anchors.items()},
                 hbm_bytes={"fused": 1e6, "unfused": 3e6}, flops=1e9)
@@ -70,6 +71,15 @@ def test_summary_counts_rows_against_the_best_anchor_and_ignores_failed_ones():
     lin = next(line for line in lines if line.startswith("linear:"))
     assert "beats the best anchor on 0 of 1 rows, trails on 1" in lin
     assert "worst: M1 K4096 N4096 gelu bf16 at 0.900x eager unfused" in lin  # eager unfused counts as an anchor
+
+
+def test_speed_table_shows_the_host_time_beside_eagers():
+    md = report.render_markdown(_gpu_result())
+    head = next(line for line in md.splitlines() if line.startswith("| case | dtype | ms | host µs"))
+    cells = [c.strip() for c in head.strip("|").split("|")]
+    assert cells[3:5] == ["host µs", "eager host µs"]
+    row = next(line for line in md.splitlines() if line.startswith("| M1 K4096 N4096 gelu |"))
+    assert [c.strip() for c in row.strip("|").split("|")][3:5] == ["10", "7"]
 
 
 def test_best_anchor_is_the_fastest_that_ran():

@@ -181,6 +181,8 @@ def _speed_for_case(spec: OpSpec, params: dict, ceilings: dict, anchor_filter, s
             spec.fused(**inputs)  # what runs once tuned (the first call may have tuned)
         row["config"] = describe_launches(recs)
         timings = {"eager unfused": _safe_bench(lambda: spec.reference(**inputs))}
+        if isinstance(timings["eager unfused"], float):  # what the op replaces costs the host this much a call
+            row["eager_host_us"] = host_us(lambda: spec.reference(**inputs), calls=calls)
         step("eager unfused")
         torch._dynamo.reset()  # fresh compile per shape family (recompile limit, dynamic=False)
         for name, fn in _running_anchors(spec, params, anchor_filter, skipped).items():
@@ -607,12 +609,14 @@ def render_markdown(result: dict) -> str:
             if on_gpu:
                 lines += ["### Speed and roofline", ""]
                 anchor_names = sorted({k for r in op["speed"] for k in r.get("anchors", {})})
-                head = ["case", "dtype", "ms", "host µs", "GPU-only ms", "TFLOP/s", "TB/s (fused bytes)", "% ceiling"]
+                head = ["case", "dtype", "ms", "host µs", "eager host µs", "GPU-only ms", "TFLOP/s", "TB/s (fused bytes)",
+                        "% ceiling"]
                 head += [f"× {a}" for a in anchor_names] + ["rel-L2", "config"]
                 lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
                 for r in op["speed"]:
                     cells = [r["case"], r["dtype"], _fmt(r["ms"], ".4f") + _host_bound_mark(r),
-                             _fmt(r.get("host_us"), ".0f"), _fmt(r.get("graph_ms"), ".4f"), _fmt(r.get("tflops"), ".1f"),
+                             _fmt(r.get("host_us"), ".0f"), _fmt(r.get("eager_host_us"), ".0f"),
+                             _fmt(r.get("graph_ms"), ".4f"), _fmt(r.get("tflops"), ".1f"),
                              _fmt(r.get("tbps"), ".2f"), _fmt(r.get("roofline_pct"), ".0f")]
                     for a in anchor_names:
                         t = r.get("anchors", {}).get(a)
@@ -620,7 +624,8 @@ def render_markdown(result: dict) -> str:
                     cells += [_fmt(r.get("rel_l2"), ".1e"), r.get("config", "")]
                     lines.append("| " + " | ".join(cells) + " |")
                 lines += ["", "× anchor = anchor time / tilefuse time (above 1: tilefuse is faster). "
-                          "Anchor times in ms are in report.json. host µs: CPU time to issue one call; "
+                          "Anchor times in ms are in report.json. host µs: CPU time to issue one call (eager host "
+                          "µs: the same for the eager unfused composition it replaces); "
                           "† marks rows where it is at least 80% of ms, so ms may be the host's, not "
                           "the GPU's. GPU-only ms: the call captured in a CUDA graph and replayed after "
                           "the same L2 flush (the kernels alone; TFLOP/s and % use ms); for backward "
