@@ -218,6 +218,7 @@ def _three_chunk_problem(device, monkeypatch, seed):
     from tilefuse.kernels.gemm import launch
     M, K, V = 37, 24, 301
     monkeypatch.setattr(launch, "LCE_CHUNK_BYTES", 128 * M * (2 if DTYPE == torch.bfloat16 else 4))
+    monkeypatch.setattr(launch, "LCE_TRAINING_CHUNK_BYTES", launch.LCE_CHUNK_BYTES)
     assert launch.lce_vocab_chunk(M, V, 2 if DTYPE == torch.bfloat16 else 4) == 128
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).to(device, DTYPE)

@@ -92,27 +92,43 @@ def _anchors(params):
     return anchors
 
 
+def _training_form(params) -> bool:
+    """Whether a row's timed step (eager autograd) takes linear_cross_entropy's training form."""
+    from tilefuse.kernels.gemm import launch
+    from tilefuse.ops.cross_entropy import TRAINING_DTYPES
+    return (launch.LCE_TRAINING_FORM and params.get("reduction", "mean") != "none"
+            and params["dtype"] in TRAINING_DTYPES)
+
+
 def _bytes(params):
-    """fused: x, W (and b) read, dx and dW written; the backward's vocabulary chunks (each [T, VC] written by
-    its GEMM, read and rewritten as dz, read by the dW and dx GEMMs: 5 passes over T x V in all), the chunked
-    forward's (written by the GEMM, read by the row pass: 2 more; the online forward keeps its tiles on chip)
-    and the fp32 dx accumulator read and written once per chunk. Eager writes the fp32 logits, reads them for
-    the softmax and its gradient, and writes and reads that gradient."""
+    """fused: x, W (and b) read, dx and dW written, and the logits' passes of the form that runs. The training
+    form: each token chunk [TC, V] written by its GEMM, read by the row pass, read and rewritten as dz, read by
+    the dx and dW GEMMs (6 passes over T x V in all), dW read and rewritten by every chunk after the first.
+    The other: the backward's vocabulary chunks (each [T, VC] written by its GEMM, read and rewritten as dz, read
+    by the dW and dx GEMMs: 5 passes), the chunked forward's (written by the GEMM, read by the row pass: 2 more;
+    the online forward keeps its tiles on chip) and the fp32 dx accumulator read and written once per chunk.
+    Eager writes the fp32 logits, reads them for the softmax and its gradient, and writes and reads that
+    gradient."""
     from tilefuse.kernels.gemm import launch
     M, K, V = params["shape"]
     s = params["dtype"].itemsize
     operands = (2 * M * K + 2 * V * K) * s
-    chunks = -(-V // launch.lce_vocab_chunk(M, V, s))
-    passes = 7 if launch.LCE_FORWARD == "chunked" else 5
-    fused = operands + passes * M * V * s + 2 * M * K * 4 * chunks
+    if _training_form(params):
+        chunks = -(-M // launch.lce_token_chunk(M, V, s))
+        fused = operands + 6 * M * V * s + 2 * (chunks - 1) * V * K * s
+    else:
+        chunks = -(-V // launch.lce_vocab_chunk(M, V, s))
+        passes = 7 if launch.LCE_FORWARD == "chunked" else 5
+        fused = operands + passes * M * V * s + 2 * M * K * 4 * chunks
     logits = 4 * M * V * 4
     return {"fused": fused, "unfused": max(fused, operands + logits)}
 
 
 LINEAR_CROSS_ENTROPY = OpSpec(
     name="linear_cross_entropy",
-    summary=("cross_entropy(x @ W^T + b, target), forward + backward, no [tokens, V] tensor: lse over vocabulary "
-             "chunks, the backward over the same chunks (logits recomputed, dz in place, dW and dx GEMMs)"),
+    summary=("cross_entropy(x @ W^T + b, target), forward + backward, no [tokens, V] tensor: in training over mean "
+             "/ sum (bf16, fp32) token chunks with the gradients made in the forward; else lse over vocabulary "
+             "chunks and the backward over the same chunks (logits recomputed, dz in place, dW and dx GEMMs)"),
     fused=_fused,
     reference=_reference,
     make_inputs=make_inputs,
@@ -131,7 +147,8 @@ LINEAR_CROSS_ENTROPY = OpSpec(
         "cpu": [dict(shape=(33, 70, 301), dtype=d) for d in (FP32, BF16)],
         "gpu": [dict(shape=(1024, 2048, 32003), dtype=d) for d in (FP32, BF16)],
     },
-    flops=lambda p: 8.0 * p["shape"][0] * p["shape"][1] * p["shape"][2],  # forward, recompute, dx, dW
+    # forward, dx, dW; the recomputing form's backward makes the logits a second time
+    flops=lambda p: (6.0 if _training_form(p) else 8.0) * p["shape"][0] * p["shape"][1] * p["shape"][2],
     hbm_bytes=_bytes,
     bound="compute",
     anchors=_anchors,
