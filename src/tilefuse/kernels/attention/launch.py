@@ -645,15 +645,18 @@ def _backward_sdpa(backend, dout, q, k, v, out, lse, scale, causal, path):
         what = SDPA_CPU_FORWARD + "_backward"
     else:
         # Both take dout laid out as out (autograd's may be expanded or strided); no dropout, so the random-number
-        # state they take is never read.
+        # state they take is never read: zeros of the types their forwards return (cuDNN's two int64 scalars, the
+        # flash kernel's uint64 pair and offset).
         dout = _like(dout, out.stride(), lambda: torch.empty_like(out))
-        seed = torch.zeros((1,), dtype=torch.long, device=q.device)
         if backend == SDPA_CUDNN:
+            seed = torch.zeros((), dtype=torch.int64, device=q.device)
             grads = aten._scaled_dot_product_cudnn_attention_backward(
                 dout, q, k, v, out, lse.unsqueeze(-1), seed, seed, None, None, None, Nq, Nk, 0.0, causal, scale=scale)
         else:
+            seed = torch.zeros((2,), dtype=torch.uint64, device=q.device)
+            offset = torch.zeros((), dtype=torch.uint64, device=q.device)
             grads = aten._scaled_dot_product_flash_attention_backward(
-                dout, q, k, v, out, lse, None, None, Nq, Nk, 0.0, causal, seed, seed, scale=scale)
+                dout, q, k, v, out, lse, None, None, Nq, Nk, 0.0, causal, seed, offset, scale=scale)
         what = SDPA_BACKWARD_OPS[backend]
     dq, dk, dv = (_like(g, t.stride(), lambda t=t: torch.empty_like(t)) for g, t in zip(grads, (q, k, v)))
     launches.record("attention_backward", path, backend, what)
