@@ -160,8 +160,9 @@ def _attention_inputs(device, dtype, B=1, Hq=2, Hkv=2, Nq=40, Nk=40, d=32, grad=
             for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
 
 
-def _attention_grads(q, k, v, dout, **kwargs):
-    out = tilefuse.attention(q, k, v, **kwargs)
+def _attention_grads(q, k, v, dout, attention=tilefuse.attention, **kwargs):
+    """(out, dq, dk, dv) of ``attention(q, k, v, **kwargs)`` with the incoming gradient dout."""
+    out = attention(q, k, v, **kwargs)
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
@@ -169,11 +170,7 @@ def _attention_float64(q, k, v, dout, **kwargs):
     from tilefuse.reference import attention as ref_attention
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    return _attention_grads_of(ref_attention.attention(*leaves, **kwargs), leaves, dout.double())
-
-
-def _attention_grads_of(out, leaves, dout):
-    return (out, *torch.autograd.grad(out, leaves, dout))
+    return _attention_grads(*leaves, dout.double(), attention=ref_attention.attention, **kwargs)
 
 
 @pytest.mark.parametrize("what,kwargs,shape", [

@@ -360,8 +360,8 @@ class _Progress:
     stderr."""
 
     SEED, ROW, ANCHOR = 1.0, 8.0, 4.0  # relative weights: one accuracy seed, a row's own timings, each anchor
-    # Seconds per weight of the timing phase before any row of it is timed: an H200 timed 83 rows (weight ~20
-    # each: the row and its anchors) in 249 s, about 0.15 s per weight (2026-12-03d, g1_report.log).
+    # Seconds per weight of the timing phase, for the estimate made before any of its rows is timed: on the H200
+    # the full report times rows of weight ~20 (the row and its anchors) in about 3 s each.
     TIMING_SECONDS_PER_WEIGHT = 0.15
 
     def __init__(self, total: float, ops: int, bar: bool, start: float | None = None, after: float = 0.0):
@@ -609,8 +609,8 @@ def render_markdown(result: dict) -> str:
             if on_gpu:
                 lines += ["### Speed and roofline", ""]
                 anchor_names = sorted({k for r in op["speed"] for k in r.get("anchors", {})})
-                head = ["case", "dtype", "ms", "host µs", "eager host µs", "GPU-only ms", "TFLOP/s", "TB/s (fused bytes)",
-                        "% ceiling"]
+                head = ["case", "dtype", "ms", "host µs", "eager host µs", "GPU-only ms", "TFLOP/s",
+                        "TB/s (fused bytes)", "% ceiling"]
                 head += [f"× {a}" for a in anchor_names] + ["rel-L2", "config"]
                 lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
                 for r in op["speed"]:

@@ -28,8 +28,8 @@ A call that takes a vendor composition (torch's, cuBLAS's or cuDNN's kernels, ch
 too: the launch module runs the candidate through :func:`vendor`, and a call whose only work was that one
 function, on the call's own input tensors, returning the call's outputs as they are, keeps a plan that calls the
 function again on the next call's tensors, skipping the module's decisions (and the launch path of any kernel of
-tilefuse's the composition itself launches). Such a plan holds while every choice
-it went through still answers the same (``tuning.choices`` caches).
+tilefuse's the composition itself launches). A plan of either kind made through a choice among candidates holds
+until that choice forgets its answers (``BackendChoice.clear``).
 
 A Gluon host TMA descriptor argument (``TensorDescriptor``) follows the same rule through its base
 tensor: the plan keeps its view (shape, strides, padding: fixed by the key), and a replay hands
@@ -101,11 +101,10 @@ def run_chosen(choice, mode: str, available: tuple, key, device, run):
     among ``available``. ``key()`` makes the choice's key, only where more than one candidate is allowed (so a
     call with one, such as any call under ``tilefuse``, builds none); a candidate timed to choose runs aside."""
     allowed = choice.allowed(mode, available)
-    capture = getattr(_local, "capture", None)
     if len(allowed) == 1:
         return run(allowed[0])
-    k = key()
-    candidate = choice.choose(mode, available, k, device, lambda c: run_aside(run, c))
+    candidate = choice.choose(mode, available, key(), device, lambda c: run_aside(run, c))
+    capture = getattr(_local, "capture", None)
     if capture is not None:  # a plan made of this call holds until the choice forgets what it answered
         capture.choices.append((choice, choice.generation))
     return run(candidate)
@@ -209,8 +208,10 @@ class Plan:
         self.scratch = any(getattr(getattr(s.compiled, "metadata", None), "global_scratch_size", 0) for s in steps)
 
     def current(self) -> bool:
-        return (all(s.current() for s in self.steps)
-                and all(choice.generation == generation for choice, generation in self.choices))
+        for choice, generation in self.choices:
+            if choice.generation != generation:
+                return False
+        return all(s.current() for s in self.steps)
 
     def __call__(self, inputs):
         if self.scratch:  # Triton's launcher takes the kernel's global scratch from this thread's allocator
@@ -279,7 +280,7 @@ class Plans:
 class _Capture:
     def __init__(self):
         self.launches = []  # (compiled kernel, grid, bound arguments, tuner or None)
-        self.vendor = []  # (function, arguments, result) of each outermost vendor composition
+        self.vendor = []  # (function, arguments, result, launches inside) of each outermost vendor composition
         self.choices = []  # (choice, its generation) of each choice among candidates the call went through
         self.ok = True
 
@@ -348,7 +349,6 @@ class _Capture:
             return None
         outputs = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outs]
         return Plan(outputs, steps, stream, tuple(recs), single, tuple(self.choices))
-
 
     def _vendor_plan(self, inputs, out):
         """The plan of a call whose only work was one vendor composition on its own inputs, returning its outputs as

@@ -73,9 +73,9 @@ def _attention_impl(q, k, v, mask, scale, bottom_right, window_left, window_righ
     [B, Hq, Nq, Nk], alibi None or fp32 slopes viewed as [B, Hq]; lse is an empty tensor without
     ``return_lse``. Packed sequences (``cu_seqlens_q`` given): q/k/v viewed [1, H, total, d], each sequence
     bottom-right aligned on its own, alibi [sequences, Hq]. ``out_bnhd``: out laid out [B, Nq, Hq, d] (as
-    packed sequences always are; see ``_empty_outputs``). ``deterministic``: the forward's kernels are
-    (the argument is kept for the backward, see ``launch.backward``). ``kernel`` forces a kernel of the launch layer
-    (its ``KERNELS``); the registered op always takes "auto".
+    packed sequences always are; see ``_empty_outputs``). ``deterministic`` leaves the forward as it
+    is (deterministic either way) and travels to the backward (see ``launch.backward``). ``kernel`` forces a
+    kernel of the launch layer (its ``KERNELS``); the registered op always takes "auto".
 
     With ALiBi the lse is the op's own: ALiBi measured from each row's nearest key (the kernels'
     ``score_modifiers``), i.e. the true lse plus ``slope * dmin(p)``; the backward reads it as it is, and

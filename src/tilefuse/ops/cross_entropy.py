@@ -122,6 +122,13 @@ def _setup(ctx, inputs, output):
     ctx.args = (ignore_index, label_smoothing, softcap)
 
 
+def _kept_row_gradients(drows, target, ignore_index, V):
+    """(dloss fp32 [M], keep): the rows' incoming gradients, 0 on rows that get none -- ignored targets, and
+    targets outside [0, V) (their loss is NaN)."""
+    keep = (target != ignore_index) & (target >= 0) & (target < V)
+    return torch.where(keep, drows.float(), 0.0).contiguous(), keep
+
+
 def _backward(ctx, dloss, dlse):
     x2d, weight, bias, target, lse = ctx.saved_tensors
     ignore_index, smoothing, softcap = ctx.args
@@ -129,9 +136,7 @@ def _backward(ctx, dloss, dlse):
     need_dx, need_dw, need_db = needs[0], needs[1], bias is not None and needs[2]
     if dloss is None or not (need_dx or need_dw or need_db):
         return (None,) * 7
-    # Rows with no gradient: ignored targets, and targets outside [0, V) (their loss is NaN).
-    keep = (target != ignore_index) & (target >= 0) & (target < weight.shape[0])
-    dloss = torch.where(keep, dloss.float(), 0.0).contiguous()
+    dloss, _ = _kept_row_gradients(dloss, target, ignore_index, weight.shape[0])
     args = (dloss, x2d, weight, bias, target, lse, smoothing, softcap, need_dx, need_dw, need_db)
     if _dispatch.direct(dloss, x2d, weight, bias, target, lse):
         dx, dw, db = _backward_impl(*args)
@@ -182,15 +187,13 @@ class _TrainingForm(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         if drows is None:
             return (None,) * 7
-        keep = (target != ignore_index) & (target >= 0) & (target < weight.shape[0])
-        dloss = torch.where(keep, drows.float(), 0.0).contiguous()
+        dloss, keep = _kept_row_gradients(drows, target, ignore_index, weight.shape[0])
         if grads is None:  # the gradients went to an earlier backward: recompute them
             with _dispatch.on_device(x2d):
                 dx, dw, db = _backward_impl(dloss, x2d, weight, bias, target, lse, smoothing, softcap, need_dx,
                                             need_dw, need_db)
         else:
             dx, dw, db = grads
-            grads = None
             c = dloss.sum() / keep.sum().clamp_min(1)
             if need_dx:
                 dx.mul_(dloss[:, None])
