@@ -166,6 +166,35 @@ def test_backward_over_several_chunks(device, monkeypatch, smoothing, softcap, f
             [True] if form == "training" else [False, False]), recs
 
 
+@pytest.mark.parametrize("form", ["recompute", "training"])
+def test_logits_chunks_rows_apart_by_a_pitch(device, monkeypatch, form):
+    """On CUDA every logits chunk lives in one buffer whose rows are padded apart (16-byte aligned rows for cuBLAS's
+    tensor-core GEMMs at an odd V): the GEMMs write and read the chunk as a strided view, every chunk after the
+    first rewrites the buffer, and no kernel reads the padding. Here every call takes such a buffer, its padding
+    NaN (fp32 on a CPU, whose matmul reads strided operands as such): loss and gradients match float64."""
+    from tilefuse.kernels.gemm import launch
+
+    made = []
+
+    def padded(rows, cols, like):
+        made.append((rows, cols))
+        return torch.full((rows, cols + 13), float("nan"), dtype=like.dtype, device=like.device)
+    monkeypatch.setattr(launch, "_logits_buffer", padded)
+    monkeypatch.setattr(launch, "LCE_TRAINING_FORM", form == "training")
+    x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=8)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    loss = tilefuse.linear_cross_entropy(*leaves[:2], target, leaves[2], label_smoothing=0.1)
+    loss.backward()
+    ref = [t.double().requires_grad_() for t in (x, w, b)]
+    want = F.cross_entropy(F.linear(*ref[:2], ref[2]), target, label_smoothing=0.1)
+    want.backward()
+    assert_close(loss, want, BOUND, "loss")
+    for got, r, name in zip(leaves, ref, ("dx", "dW", "db")):
+        assert_close(got.grad, r.grad, BOUND, name)
+    # the training form's one token-chunk buffer; the recomputing form's forward and backward one each
+    assert made == ([(16, 301)] if form == "training" else [(37, 128), (37, 128)]), made
+
+
 def test_training_form_gives_a_second_backward_the_same_gradients(device):
     """The training form hands its gradients to the first backward; a second over the same graph
     (``retain_graph``) recomputes them, and both match float64."""

@@ -877,8 +877,9 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
         splits = cdiv(V, vc)
         part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
         tile = LCE_STATS_TILE
+        buf = _logits_buffer(M, vc, x2d)
         for i, v0 in enumerate(range(0, V, vc)):
-            z = _chunk_logits(x2d, w, b, v0, vc)
+            z = _chunk_logits(x2d, w, b, v0, vc, buf)
             fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (
                 z, target, part, M, z.shape[1], v0, i, splits, z.stride(0), float(softcap or 0.0)),
                 dict(HAS_SOFTCAP=softcap is not None, **tile))
@@ -931,10 +932,12 @@ LCE_TRAINING_CHUNK_BYTES = 256 * 2**20
 
 
 def lce_token_chunk(M: int, V: int, element_size: int) -> int:
-    """Tokens per chunk of the training form: the chunk's logits [rows, V] within LCE_TRAINING_CHUNK_BYTES, a
-    multiple of 16 rows (at least 16, at most M)."""
-    rows = LCE_TRAINING_CHUNK_BYTES // max(1, V * element_size)
-    return max(1, min(M, max(16, rows // 16 * 16)))
+    """Tokens per chunk of the training form: the chunk's logits [rows, V] within LCE_TRAINING_CHUNK_BYTES, the
+    M tokens shared evenly among as few chunks as that allows (no short last chunk: each chunk's GEMMs are one
+    wave of tiles or more, and each reads and rewrites dW), a multiple of 16 rows (at least 16, at most M)."""
+    most = max(16, LCE_TRAINING_CHUNK_BYTES // max(1, V * element_size) // 16 * 16)
+    chunks = cdiv(M, most)
+    return max(1, min(M, cdiv(cdiv(M, chunks), 16) * 16))
 
 
 def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smoothing: float, softcap, need_dx, need_dw,
@@ -960,11 +963,12 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
     db = torch.zeros((V,) if need_db else (0,), dtype=torch.float32, device=dev)
     unit = ((target != ignore_index) & (target >= 0) & (target < V)).float()  # each kept row's gradient: 1
     stats, grad = LCE_STATS_TILE, LCE_GRAD_TILE
+    buf = _logits_buffer(rows, V, x2d)
     for m0 in range(0, M, rows):
         x_c, t_c, u_c = x2d[m0:m0 + rows], target[m0:m0 + rows], unit[m0:m0 + rows]
         m = x_c.shape[0]
         p_c = torch.empty((4, 1, m), dtype=torch.float32, device=dev)  # dense: the kernel's planes are m apart
-        z = _chunk_logits(x_c, w, b, 0, V)
+        z = _chunk_logits(x_c, w, b, 0, V, buf)
         fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]),), (
             z, t_c, p_c, m, V, 0, 0, 1, z.stride(0), float(softcap or 0.0)),
             dict(HAS_SOFTCAP=softcap is not None, **stats))
@@ -995,10 +999,30 @@ LCE_STATS_TILE = dict(BLOCK_M=8, BLOCK_V=256)  # the chunked forward's row pass:
 LCE_FORWARD = "chunked"
 
 
-def _chunk_logits(x2d, w, b, v0: int, vc: int) -> torch.Tensor:
-    """x2d @ W[v0:v0 + vc]^T (+ b's chunk) by cuBLAS: one vocabulary chunk's logits [M, <= vc] in x's dtype."""
+# Row pitch of a logits chunk on CUDA, in elements: 128 bytes in bf16. cuBLAS's tensor-core GEMMs need every row of
+# an operand to start 16-byte aligned; a dense [rows, V] chunk at GPT-2's V of 50257 has rows 100514 bytes apart,
+# and the three GEMMs that write and read it then run kernels several times slower. On a CPU each chunk is a dense
+# tensor of its own: torch's CPU bf16 matmul reads a padded operand's padding (NaN there comes out in the product).
+LOGITS_PITCH = 64
+
+
+def _logits_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
+    """On CUDA, storage for [<= rows, <= cols] logits chunks in ``like``'s dtype with rows LOGITS_PITCH-padded
+    apart, made once per call and rewritten by every chunk (stream order keeps each chunk's readers before the
+    next GEMM); None on a CPU."""
+    if not like.is_cuda:
+        return None
+    return torch.empty((rows, cdiv(cols, LOGITS_PITCH) * LOGITS_PITCH), dtype=like.dtype, device=like.device)
+
+
+def _chunk_logits(x2d, w, b, v0: int, vc: int, buf: torch.Tensor | None) -> torch.Tensor:
+    """x2d @ W[v0:v0 + vc]^T (+ b's chunk) by cuBLAS: one vocabulary chunk's logits [M, <= vc] in x's dtype, in
+    ``buf`` (:func:`_logits_buffer`, a view whose rows are its pitch apart) when there is one."""
     w_c = w[v0:v0 + vc].t()
-    return torch.mm(x2d, w_c) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c)
+    if buf is None:
+        return torch.mm(x2d, w_c) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c)
+    z = buf[:x2d.shape[0], :w_c.shape[1]]
+    return torch.mm(x2d, w_c, out=z) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c, out=z)
 
 
 def lce_vocab_chunk(M: int, V: int, element_size: int) -> int:
@@ -1030,9 +1054,10 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
     dw = torch.empty((V, K) if need_dw else (0,), dtype=w.dtype, device=x2d.device)
     db = torch.empty((V,) if need_db else (0,), dtype=torch.float32, device=x2d.device)
     alpha = 1.0 / LCE_FP16_SCALE if scaled else 1.0  # a power of two: exact
+    buf = _logits_buffer(M, vc, x2d)
     for v0 in range(0, V, vc):
         w_c = w[v0:v0 + vc]
-        z = _chunk_logits(x2d, w, b, v0, vc)
+        z = _chunk_logits(x2d, w, b, v0, vc, buf)
         n = z.shape[1]
         fastpath.launch(lce_logit_grad_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(n, tile["BLOCK_V"])), (
             z, target, lse, dloss, M, n, V, v0, z.stride(0), float(softcap or 0.0), float(smoothing),
