@@ -1,6 +1,7 @@
 """Issue targets for the fused LM-head loss: forward + backward time and peak memory of tilefuse's
-linear_cross_entropy (its two forwards: on-chip online lse, and cuBLAS over vocabulary chunks) beside eager (F.linear + F.cross_entropy on fp32 logits), torch.compile of the eager pair
-and Liger-Kernel's LigerFusedLinearCrossEntropyLoss (when its wheel is installed), side by side in one run.
+linear_cross_entropy (its two training forms: the gradients made in the forward over token chunks, and the chunked
+forward with a backward that recomputes the logits) beside eager (F.linear + F.cross_entropy on fp32 logits),
+torch.compile of the eager pair and Liger-Kernel's LigerFusedLinearCrossEntropyLoss (when its wheel is installed), side by side in one run.
 
 Shapes: the Llama-3 head (8192 tokens, K 4096, V 128256) and GPT-2's (8192, 768, 50257), bf16, every 7th
 target ignore_index. Time: triton.testing.do_bench median of one forward + backward (loss.backward(); the
@@ -35,12 +36,14 @@ def main() -> int:
     compiled = torch.compile(eager, dynamic=False)
     from tilefuse.kernels.gemm import launch
 
-    def fused(forward):
+    def fused(training):
         def run(x, w, t):
-            launch.LCE_FORWARD = forward  # the launch layer's forward strategy (see its LCE_FORWARD)
+            # the launch layer's forms (its LCE_TRAINING_FORM): gradients made in the forward, or the chunked
+            # forward and the backward that recomputes the logits
+            launch.LCE_TRAINING_FORM, launch.LCE_FORWARD = training, "chunked"
             return tilefuse.linear_cross_entropy(x, w, t, check_targets=False)
         return run
-    variants = {"tilefuse (online forward)": fused("online"), "tilefuse (chunked forward)": fused("chunked"),
+    variants = {"tilefuse (training form)": fused(True), "tilefuse (recomputing form)": fused(False),
                 "eager": eager, "torch.compile": compiled}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss

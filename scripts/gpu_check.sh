@@ -22,6 +22,7 @@
 # (benchmarks/gemm_coop_ws.py bench and forward, attention_bwd_wide.py and decode_gemv.py bench), or LABS="lab:command ..." for
 # some of them (e.g. LABS="gemm_coop_ws:forward"); LAB_LIMIT seconds each (default 150), each into
 # $OUT/lab_<lab>_<command>.jsonl.
+# BENCHES (below) for benchmark scripts that write JSON.
 # HOST_PROFILES=1 to profile the host side of the rows the default backend trails on by host time, after the report
 # (benchmarks/host_profile.py: linear_train M512, linear M64, layer_norm_linear's rms row at K 768), each into
 # $OUT/host_profile_<op>.txt.
@@ -79,6 +80,13 @@ if [ "${HOST_PROFILES:-0}" = 1 ]; then
     head -1 "$OUT/host_profile_$op.txt"
   done
 fi
+# BENCHES="name ..." runs benchmarks/<name>.py --out $OUT/<name>.json for each (e.g. cross_entropy_head, the LM-head
+# loss's time and peak memory), after the report when it runs first; BENCH_LIMIT seconds each (default 240).
+for bench in ${BENCHES:-}; do
+  timeout "${BENCH_LIMIT:-240}" python3 "benchmarks/$bench.py" --out "$OUT/$bench.json" > "$OUT/bench_$bench.log" 2>&1
+  echo "bench $bench exit: $?" >> "$OUT/bench_$bench.log"
+  tail -1 "$OUT/bench_$bench.log"
+done
 K_EXPR=${TEST_K:-}   # pytest -k expression; default: the whole suite
 if [ "${TESTS:-1}" = 1 ]; then
   # Tests pin each kernel to its first config (TILEFUSE_AUTOTUNE=0): hundreds of small shapes must not

@@ -31,7 +31,7 @@ if [ -f "$RUN/done" ]; then
   cat "$RUN/done"
 else
   for f in report.log report.tgz tests.log results.log; do cp "$RUN/out/$f" "$OUT_DIR"/ 2>/dev/null; done
-  cp "$RUN"/out/host_profile_*.txt "$OUT_DIR"/ 2>/dev/null
+  cp "$RUN"/out/host_profile_*.txt "$RUN"/out/*.json "$OUT_DIR"/ 2>/dev/null
   echo "still running"
 fi
 for f in report.log tests.log; do
