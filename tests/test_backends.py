@@ -255,19 +255,24 @@ SDPA_BACKENDS = ["sdpa_cudnn", "sdpa_flash"]
 @pytest.mark.parametrize("forward_backend", ["tilefuse", "vendor"])
 @pytest.mark.parametrize("candidate", SDPA_BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_each_sdpa_candidate_matches_float64_after_either_forward(candidate, forward_backend, causal, device):
+@pytest.mark.parametrize("d", [64, 256])
+def test_each_sdpa_candidate_matches_float64_after_either_forward(candidate, forward_backend, causal, d, device):
     """Each SDPA candidate on its own (on the CPU both are torch's CPU flash kernel), its backward reading the lse
     of tilefuse's forward as well as of its own: the two forwards' lse must mean the same thing (fp32 natural
-    log, [B, H, Nq]). A noncontiguous dout takes out's layout first."""
+    log, [B, H, Nq]). A noncontiguous dout takes out's layout first. d 256: cuDNN's on Hopper too."""
     from tilefuse.kernels.attention import launch
 
     if device.type == "cpu" and candidate != "sdpa_flash":
         pytest.skip("off CUDA both candidates are torch's CPU flash kernel: sdpa_flash's case runs it")
-    q, k, v = _attention_inputs(device, torch.bfloat16, B=2, Nq=70, Nk=70 if causal else 90, d=64, grad=False)
+    if device.type == "cuda" and candidate == "sdpa_cudnn" and d > launch._cudnn_max_head_dim(device):
+        pytest.skip(f"cuDNN's SDPA takes d {d} on Hopper only")
+    q, k, v = _attention_inputs(device, torch.bfloat16, B=2, Nq=70, Nk=70 if causal else 90, d=d, grad=False)
+    if device.type == "cuda":
+        assert candidate in launch.sdpa_candidates(q, k, v, None, 0, -1, 0 if causal else -1, None, None, None)
     path = runtime.execution_path(q)
     if path == runtime.REFERENCE:
         pytest.skip("the candidates are the launch layer's; this path has none")
-    dout = torch.randn(2, 70, 2, 64, device=device, dtype=q.dtype).transpose(1, 2)  # [B, H, N, d] strided
+    dout = torch.randn(2, 70, 2, d, device=device, dtype=q.dtype).transpose(1, 2)  # [B, H, N, d] strided
     right = 0 if causal else -1
     if forward_backend == "tilefuse":
         out, lse = launch._forward(q, k, v, None, 0.125, 0, -1, right, True, path, "auto", None, None, None, False,

@@ -562,8 +562,15 @@ SDPA_FLASH = "sdpa_flash"
 # first vendor candidate under ``vendor``, and the flash kernel takes every layout with a unit last stride.
 FORWARD_CHOICE = tuning.BackendChoice("attention_forward_backend", (tuning.TILEFUSE, SDPA_FLASH, SDPA_CUDNN))
 BACKWARD_CHOICE = tuning.BackendChoice("attention_backward_backend", (tuning.TILEFUSE, SDPA_FLASH, SDPA_CUDNN))
-# Head dims each takes on CUDA (multiples of 8): PyTorch's flash kernel up to 256, its cuDNN path up to 128.
+# Head dims each takes on CUDA (multiples of 8): PyTorch's flash kernel up to 256, its cuDNN path up to 128, and up
+# to 256 on Hopper (sm_90: measured there, forward and backward, in the report's d 256 rows).
 SDPA_MAX_HEAD_DIM = {SDPA_FLASH: 256, SDPA_CUDNN: 128}
+SDPA_CUDNN_MAX_HEAD_DIM_SM90 = 256
+
+
+def _cudnn_max_head_dim(device: torch.device) -> int:
+    major = runtime.device_facts(device)[0]
+    return SDPA_CUDNN_MAX_HEAD_DIM_SM90 if major == 9 else SDPA_MAX_HEAD_DIM[SDPA_CUDNN]
 
 
 def _bhnd_or_bnhd(t: torch.Tensor) -> bool:
@@ -577,7 +584,8 @@ def sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softca
     gradient (``dlse``), one key head per query head, and full attention or causal with as many queries as keys
     (the kernels' causal masks start at different corners when the counts differ: SDPA's semantics top-left, the
     flash kernel bottom-right); on CUDA fp16/bf16 with unit last strides and a head dim of at most
-    ``SDPA_MAX_HEAD_DIM``, a multiple of 8, and for cuDNN dense [B, H, N, d] or [B, N, H, d] layouts."""
+    ``SDPA_MAX_HEAD_DIM`` (cuDNN's on Hopper: 256), a multiple of 8, and for cuDNN dense [B, H, N, d] or [B, N, H, d]
+    layouts."""
     if mask is not None or softcap is not None or alibi is not None or varlen is not None or dlse is not None:
         return ()
     causal = window_left < 0 and window_right == 0 and pos_offset == 0 and q.shape[2] == k.shape[2]
@@ -589,7 +597,7 @@ def sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softca
     if (q.dtype not in (torch.float16, torch.bfloat16) or d % 8
             or any(t.stride(-1) != 1 for t in (q, k, v))):
         return ()
-    cudnn = d <= SDPA_MAX_HEAD_DIM[SDPA_CUDNN] and all(_bhnd_or_bnhd(t) for t in (q, k, v))
+    cudnn = d <= _cudnn_max_head_dim(q.device) and all(_bhnd_or_bnhd(t) for t in (q, k, v))
     return (SDPA_FLASH, SDPA_CUDNN) if cudnn else (SDPA_FLASH,)
 
 
