@@ -384,6 +384,24 @@ def test_a_call_with_one_allowed_candidate_builds_no_key_and_times_nothing(fake_
     assert sorted(fake_gpu["benched"]) == ["cudnn", "tilefuse", "torch"]
 
 
+def test_a_close_call_is_timed_again_in_the_reverse_order(fake_gpu):
+    """Candidates within CLOSE_CALL of the fastest are timed a second time, the last first, each keeping its
+    faster median: a first round that drifted (tilefuse's 0.30 against torch's 0.29, then 0.26 and 0.31) is
+    decided by the second; a candidate far off (cudnn) is not timed again."""
+    c = _choice("test_close_call")
+    rounds = {"tilefuse": [0.30, 0.26], "torch": [0.29, 0.31], "cudnn": [0.60]}
+    fake_gpu["times"] = {}
+
+    def run(name):
+        fake_gpu["times"][name] = rounds[name].pop(0)
+        return name
+    assert c.choose("auto", c.candidates, tuning.ChoiceKey(N=2), torch.device("cuda"), run) == "tilefuse"
+    assert fake_gpu["benched"] == ["tilefuse", "torch", "cudnn", "torch", "tilefuse"]
+    [record] = [r for r in tuning.tuning_records() if r["kernel"] == "test_close_call"]
+    assert [(t["config"]["kwargs"]["BACKEND"], t["ms"]) for t in record["timings"]] == [
+        ("tilefuse", 0.26), ("torch", 0.29), ("cudnn", 0.60)]
+
+
 def test_a_failing_candidate_is_never_chosen(fake_gpu):
     c = _choice("test_failing")
 
