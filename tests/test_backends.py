@@ -174,14 +174,13 @@ def _attention_float64(q, k, v, dout, **kwargs):
 
 
 @pytest.mark.parametrize("what,kwargs,shape", [
-    ("GQA", dict(causal=True), dict(Hq=4, Hkv=2)),
     ("causal from the bottom-right corner", dict(causal=True), dict(Nq=17, Nk=40)),
     ("a window", dict(window=(8, 3)), {}),
     ("a softcap", dict(causal=True, softcap=5.0), {}),
     ("ALiBi", dict(alibi_slopes="per head"), {})])
 def test_vendor_attention_without_sdpas_semantics_takes_tilefuses_kernels(what, kwargs, shape, device):
-    """SDPA has no GQA here, top-left causal only, no window, softcap or ALiBi: such calls stay tilefuse's under
-    vendor, forward and backward, and still match float64."""
+    """SDPA has top-left causal only, no window, softcap or ALiBi: such calls stay tilefuse's under vendor, forward
+    and backward, and still match float64."""
     q, k, v = _attention_inputs(device, torch.bfloat16, **shape)
     if kwargs.get("alibi_slopes"):
         kwargs = dict(kwargs, alibi_slopes=torch.rand(q.shape[1], device=device))
@@ -193,6 +192,23 @@ def test_vendor_attention_without_sdpas_semantics_takes_tilefuses_kernels(what, 
     if runtime.execution_path(q) != runtime.REFERENCE:
         assert {r.op for r in recs} == {"attention", "attention_backward"}, recs
         assert not {r.kernel for r in recs} & VENDOR_KERNELS, recs
+
+
+def test_vendor_gqa_takes_sdpa_on_cuda_and_tilefuses_on_the_cpu(device):
+    """Grouped key heads (4 query heads over 2 key heads): on CUDA both SDPA kernels take them as they are, so
+    under vendor the forward and the backward are SDPA's; torch's CPU flash kernel has one key head per query
+    head, so on the CPU the call stays tilefuse's. Either way out, dq, dk, dv match float64."""
+    q, k, v = _attention_inputs(device, torch.bfloat16, Hq=4, Hkv=2)
+    dout = torch.randn_like(q)
+    with tilefuse.use_backend("vendor"), launches.recording() as recs:
+        got = _attention_grads(q, k, v, dout, causal=True)
+    for g, r, name in zip(got, _attention_float64(q, k, v, dout, causal=True), ("out", "dq", "dk", "dv")):
+        assert_close(g, r, default_tolerance(q.dtype), f"GQA: {name}")
+    if runtime.execution_path(q) != runtime.REFERENCE:
+        kinds = {r.op: r.kernel for r in recs}
+        assert set(kinds) == {"attention", "attention_backward"}, recs
+        for op, kernel in kinds.items():
+            assert (kernel in VENDOR_KERNELS) == (device.type == "cuda"), (op, recs)
 
 
 def test_vendor_sdpa_causal_with_fewer_queries_than_keys_takes_tilefuses(device):
@@ -255,18 +271,23 @@ SDPA_BACKENDS = ["sdpa_cudnn", "sdpa_flash"]
 @pytest.mark.parametrize("forward_backend", ["tilefuse", "vendor"])
 @pytest.mark.parametrize("candidate", SDPA_BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 256])
-def test_each_sdpa_candidate_matches_float64_after_either_forward(candidate, forward_backend, causal, d, device):
+@pytest.mark.parametrize("d,Hkv", [(64, 2), (256, 2), (64, 1)])
+def test_each_sdpa_candidate_matches_float64_after_either_forward(candidate, forward_backend, causal, d, Hkv,
+                                                                  device):
     """Each SDPA candidate on its own (on the CPU both are torch's CPU flash kernel), its backward reading the lse
     of tilefuse's forward as well as of its own: the two forwards' lse must mean the same thing (fp32 natural
-    log, [B, H, Nq]). A noncontiguous dout takes out's layout first. d 256: cuDNN's on Hopper too."""
+    log, [B, H, Nq]). A noncontiguous dout takes out's layout first. d 256: cuDNN's on Hopper too; one key head
+    for both query heads (GQA): on CUDA, dK and dV summed over the group."""
     from tilefuse.kernels.attention import launch
 
     if device.type == "cpu" and candidate != "sdpa_flash":
         pytest.skip("off CUDA both candidates are torch's CPU flash kernel: sdpa_flash's case runs it")
+    if device.type == "cpu" and Hkv != 2:
+        pytest.skip("torch's CPU flash kernel takes one key head per query head")
     if device.type == "cuda" and candidate == "sdpa_cudnn" and d > launch._cudnn_max_head_dim(device):
         pytest.skip(f"cuDNN's SDPA takes d {d} on Hopper only")
-    q, k, v = _attention_inputs(device, torch.bfloat16, B=2, Nq=70, Nk=70 if causal else 90, d=d, grad=False)
+    q, k, v = _attention_inputs(device, torch.bfloat16, B=2, Hkv=Hkv, Nq=70, Nk=70 if causal else 90, d=d,
+                                grad=False)
     if device.type == "cuda":
         assert candidate in launch.sdpa_candidates(q, k, v, None, 0, -1, 0 if causal else -1, None, None, None)
     path = runtime.execution_path(q)

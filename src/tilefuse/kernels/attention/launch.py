@@ -581,18 +581,19 @@ def _bhnd_or_bnhd(t: torch.Tensor) -> bool:
 
 def sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softcap, alibi, varlen, dlse=None) -> tuple:
     """The SDPA kernels whose semantics are this call's: no mask, score modifier, packed sequences or lse
-    gradient (``dlse``), one key head per query head, and full attention or causal with as many queries as keys
-    (the kernels' causal masks start at different corners when the counts differ: SDPA's semantics top-left, the
-    flash kernel bottom-right); on CUDA fp16/bf16 with unit last strides and a head dim of at most
-    ``SDPA_MAX_HEAD_DIM`` (cuDNN's on Hopper: 256), a multiple of 8, and for cuDNN dense [B, H, N, d] or [B, N, H, d]
-    layouts."""
+    gradient (``dlse``), and full attention or causal with as many queries as keys (the kernels' causal masks
+    start at different corners when the counts differ: SDPA's semantics top-left, the flash kernel bottom-right);
+    on CUDA fp16/bf16 with unit last strides and a head dim of at most ``SDPA_MAX_HEAD_DIM`` (cuDNN's on Hopper:
+    256), a multiple of 8, and for cuDNN dense [B, H, N, d] or [B, N, H, d] layouts. Grouped key heads (GQA) on
+    CUDA, where both kernels take them as they are (a key head per group of query heads; their backwards sum each
+    group's dK and dV); on the CPU one key head per query head, torch's CPU flash kernel's semantics."""
     if mask is not None or softcap is not None or alibi is not None or varlen is not None or dlse is not None:
         return ()
     causal = window_left < 0 and window_right == 0 and pos_offset == 0 and q.shape[2] == k.shape[2]
-    if not (causal or (window_left < 0 and window_right < 0)) or q.shape[1] != k.shape[1]:
+    if not (causal or (window_left < 0 and window_right < 0)):
         return ()
     if not q.is_cuda:
-        return (SDPA_FLASH,)
+        return (SDPA_FLASH,) if q.shape[1] == k.shape[1] else ()
     d = q.shape[-1]
     if (q.dtype not in (torch.float16, torch.bfloat16) or d % 8
             or any(t.stride(-1) != 1 for t in (q, k, v))):
@@ -602,10 +603,12 @@ def sdpa_candidates(q, k, v, mask, pos_offset, window_left, window_right, softca
 
 
 def _choice_key(q, k, causal: bool, return_lse: bool):
-    """What the choice between tilefuse's attention and SDPA's depends on, as a ``tuning.ChoiceKey``."""
+    """What the choice between tilefuse's attention and SDPA's depends on, as a ``tuning.ChoiceKey``: GROUP is
+    the query heads per key head (1 without GQA)."""
     B, Hq, Nq, d = q.shape
     return tuning.ChoiceKey(Q_BUCKET=sizes.m_bucket(Nq), K_BUCKET=sizes.m_bucket(k.shape[2]),
-                            HEADS_BUCKET=sizes.m_bucket(B * Hq), D=d, CAUSAL=causal, LSE=return_lse, dtype=q.dtype)
+                            HEADS_BUCKET=sizes.m_bucket(B * Hq), GROUP=Hq // k.shape[1], D=d, CAUSAL=causal,
+                            LSE=return_lse, dtype=q.dtype)
 
 
 def _like(t: torch.Tensor, strides: tuple, make) -> torch.Tensor:
