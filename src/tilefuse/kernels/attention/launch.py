@@ -646,6 +646,28 @@ def _forward_sdpa(backend, q, k, v, scale, causal, return_lse, out_bnhd, path):
     return out, lse
 
 
+# The random-number state the SDPA backwards take, per (backend, device): zeros, never read without dropout, made
+# once rather than by two fill kernels in every backward (outside CUDA-graph capture: a tensor allocated inside
+# one belongs to the graph's memory pool).
+_RNG_STATE: dict = {}
+
+
+def _unused_rng_state(backend: str, device: torch.device) -> tuple:
+    """(seed, offset) of the types ``backend``'s forward returns: cuDNN's two int64 scalars, the flash kernel's
+    uint64 pair and uint64 offset."""
+    state = _RNG_STATE.get((backend, device))
+    if state is None:
+        if backend == SDPA_CUDNN:
+            zero = torch.zeros((), dtype=torch.int64, device=device)
+            state = (zero, zero)
+        else:
+            state = (torch.zeros((2,), dtype=torch.uint64, device=device),
+                     torch.zeros((), dtype=torch.uint64, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _RNG_STATE[(backend, device)] = state
+    return state
+
+
 def _backward_sdpa(backend, dout, q, k, v, out, lse, scale, causal, path):
     """(dq, dk, dv, delta) as ``_backward`` returns them (delta empty: no kernel of tilefuse's reads it)."""
     Nq, Nk = q.shape[2], k.shape[2]
@@ -655,17 +677,15 @@ def _backward_sdpa(backend, dout, q, k, v, out, lse, scale, causal, path):
                                                                           scale=scale)
         what = SDPA_CPU_FORWARD + "_backward"
     else:
-        # Both take dout laid out as out (autograd's may be expanded or strided); no dropout, so the random-number
-        # state they take is never read: zeros of the types their forwards return (cuDNN's two int64 scalars, the
-        # flash kernel's uint64 pair and offset).
+        # Both take dout laid out as out (autograd's may be expanded or strided), and a random-number state they
+        # never read without dropout.
         dout = _like(dout, out.stride(), lambda: torch.empty_like(out))
+        seed, offset = _unused_rng_state(backend, q.device)
         if backend == SDPA_CUDNN:
-            seed = torch.zeros((), dtype=torch.int64, device=q.device)
             grads = aten._scaled_dot_product_cudnn_attention_backward(
-                dout, q, k, v, out, lse.unsqueeze(-1), seed, seed, None, None, None, Nq, Nk, 0.0, causal, scale=scale)
+                dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None, Nq, Nk, 0.0, causal,
+                scale=scale)
         else:
-            seed = torch.zeros((2,), dtype=torch.uint64, device=q.device)
-            offset = torch.zeros((), dtype=torch.uint64, device=q.device)
             grads = aten._scaled_dot_product_flash_attention_backward(
                 dout, q, k, v, out, lse, None, None, Nq, Nk, 0.0, causal, seed, offset, scale=scale)
         what = SDPA_BACKWARD_OPS[backend]
