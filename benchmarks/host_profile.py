@@ -4,6 +4,7 @@ and case can be named (the first bench case whose label contains CASE). ``*_back
 backward, as in host_per_op.py.
 
 Run on the GPU:  PYTHONPATH=src python benchmarks/host_profile.py [--op linear] [--case "M1 "] [--calls 5000]
+                     [--torch-profiler]
   e.g.           PYTHONPATH=src python benchmarks/host_profile.py --op attention_backward \
                      --case "B16 H16 N1024 d128 causal" --calls 500
 """
@@ -34,6 +35,8 @@ def main() -> None:
                     "to the label, so 'M1 ' matches '... M1' but not 'M16')")
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--torch-profiler", action="store_true",
+                    help="also torch.profiler's CPU table over the same number of calls (time inside C++)")
     args = ap.parse_args()
     spec = registry.get(args.op)
     params = pick_case(spec, args.case)
@@ -50,6 +53,15 @@ def main() -> None:
         profile.disable()
         torch.cuda.synchronize()
     pstats.Stats(profile).sort_stats("tottime").print_stats(args.rows)
+    if args.torch_profiler:
+        # What cProfile cannot see: the time inside C++ (the autograd engine's nodes, aten's dispatch, the CUDA
+        # launches), per aten op and runtime call, over the same calls.
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with grad(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.calls):
+                fn()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ if [ "${REPORT:-1}" = 1 ] && [ "${REPORT_FIRST:-0}" = 1 ]; then run_report; fi
 if [ "${HOST_PROFILES:-0}" = 1 ]; then
   for row in "linear_train|M512 " "linear|M64 " "layer_norm_linear|M16384 K768 N2304 rms"; do
     op=${row%%|*}
-    timeout 90 python3 benchmarks/host_profile.py --op "$op" --case "${row#*|}" --calls 300 --rows 40 \
+    timeout 90 python3 benchmarks/host_profile.py --op "$op" --case "${row#*|}" --calls 300 --rows 40 --torch-profiler \
       > "$OUT/host_profile_$op.txt" 2>&1
     echo "host profile exit: $?" >> "$OUT/host_profile_$op.txt"
     head -1 "$OUT/host_profile_$op.txt"
