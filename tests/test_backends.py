@@ -271,44 +271,45 @@ SDPA_BACKENDS = ["sdpa_cudnn", "sdpa_flash"]
 @pytest.mark.parametrize("forward_backend", ["tilefuse", "vendor"])
 @pytest.mark.parametrize("candidate", SDPA_BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,Hkv", [(64, 2), (256, 2), (64, 1)])
-def test_each_sdpa_candidate_matches_float64_after_either_forward(candidate, forward_backend, causal, d, Hkv,
+@pytest.mark.parametrize("d,Hq,Hkv", [(64, 2, 2), (256, 2, 2), (64, 4, 2)])
+def test_each_sdpa_candidate_matches_float64_after_either_forward(candidate, forward_backend, causal, d, Hq, Hkv,
                                                                   device):
     """Each SDPA candidate on its own (on the CPU both are torch's CPU flash kernel), its backward reading the lse
     of tilefuse's forward as well as of its own: the two forwards' lse must mean the same thing (fp32 natural
-    log, [B, H, Nq]). A noncontiguous dout takes out's layout first. d 256: cuDNN's on Hopper too; one key head
-    for both query heads (GQA): on CUDA, dK and dV summed over the group."""
+    log, [B, H, Nq]). A noncontiguous dout takes out's layout first. d 256: cuDNN's on Hopper too; 4 query heads
+    over 2 key heads (GQA, query head h reading key head h // 2): on CUDA, dK and dV summed over each group."""
     from tilefuse.kernels.attention import launch
 
     if device.type == "cpu" and candidate != "sdpa_flash":
         pytest.skip("off CUDA both candidates are torch's CPU flash kernel: sdpa_flash's case runs it")
-    if device.type == "cpu" and Hkv != 2:
+    if device.type == "cpu" and Hq != Hkv:
         pytest.skip("torch's CPU flash kernel takes one key head per query head")
     if device.type == "cuda" and candidate == "sdpa_cudnn" and d > launch._cudnn_max_head_dim(device):
         pytest.skip(f"cuDNN's SDPA takes d {d} on Hopper only")
-    q, k, v = _attention_inputs(device, torch.bfloat16, B=2, Hkv=Hkv, Nq=70, Nk=70 if causal else 90, d=d,
+    q, k, v = _attention_inputs(device, torch.bfloat16, B=2, Hq=Hq, Hkv=Hkv, Nq=70, Nk=70 if causal else 90, d=d,
                                 grad=False)
     if device.type == "cuda":
         assert candidate in launch.sdpa_candidates(q, k, v, None, 0, -1, 0 if causal else -1, None, None, None)
     path = runtime.execution_path(q)
     if path == runtime.REFERENCE:
         pytest.skip("the candidates are the launch layer's; this path has none")
-    dout = torch.randn(2, 70, 2, d, device=device, dtype=q.dtype).transpose(1, 2)  # [B, H, N, d] strided
+    dout = torch.randn(2, 70, Hq, d, device=device, dtype=q.dtype).transpose(1, 2)  # [B, H, N, d] strided
     right = 0 if causal else -1
     if forward_backend == "tilefuse":
         out, lse = launch._forward(q, k, v, None, 0.125, 0, -1, right, True, path, "auto", None, None, None, False,
                                    runtime.precision_for(q.dtype, q.is_cuda))
     else:
         out, lse = launch._forward_sdpa(candidate, q, k, v, 0.125, causal, True, False, path)
-    assert lse.shape == (2, 2, 70) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert lse.shape == (2, Hq, 70) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert out.is_contiguous()
     dq, dk, dv, _ = launch._backward_sdpa(candidate, dout, q, k, v, out, lse, 0.125, causal, path)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     mask = torch.ones(70, k.shape[2], dtype=torch.bool, device=device).triu(1) if causal else None
-    scores = (leaves[0] @ leaves[1].transpose(-1, -2)) * 0.125
+    k_ref, v_ref = (t.repeat_interleave(Hq // Hkv, dim=1) for t in leaves[1:])
+    scores = (leaves[0] @ k_ref.transpose(-1, -2)) * 0.125
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
-    ref = scores.softmax(-1) @ leaves[2]
+    ref = scores.softmax(-1) @ v_ref
     ref_grads = torch.autograd.grad(ref, leaves, dout.double())
     bound = default_tolerance(q.dtype)
     assert_close(out, ref, bound, f"{forward_backend} forward: out")
