@@ -95,6 +95,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   # Resume: tests recorded as passed in carried result logs (.carry/results*.log) are not run again.
   SKIP_PASSED=$(ls .carry/results*.log 2>/dev/null | paste -sd: -)
   TESTS_END=$(( $(date +%s) + ${TESTS_LIMIT:-$(( $(left) / 2 ))} ))
+  # never past the call's own limit (less 20 s to pack the files): what the report and benches left
+  [ "$TESTS_END" -gt $(( START + LIMIT - 20 )) ] && TESTS_END=$(( START + LIMIT - 20 ))
   # The registry grid (tests/test_registry_ops.py) runs after the other files: xdist schedules its grouped
   # cases first, and alone it fills any time limit. The other files get REGISTRY_AFTER_SHARE percent of the
   # tests' time (default 50) and hand back what they leave.
