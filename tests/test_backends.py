@@ -129,10 +129,13 @@ def test_vendor_gated_linear_over_separate_weights_runs_two_gemms(device):
     ("linear_train", dict(SMALL_LINEAR, activation=None, dtype=torch.float32)),
     ("linear_train", dict(SMALL_LINEAR, activation="relu", layout="x_transposed")),
     ("gated_linear_train", dict(SMALL_LINEAR, activation="swiglu")),
-    ("gated_linear_train", dict(SMALL_LINEAR, activation="geglu", bias=False, weight_form="concat"))])
-def test_vendor_training_step_takes_cublas_for_the_backward(name, params, device):
-    """A training forward stays tilefuse's (it stores the slope the backward reads); under vendor the backward is
-    g = dy * slope, then cuBLAS's dx and dW GEMMs and db from g."""
+    ("gated_linear_train", dict(SMALL_LINEAR, activation="geglu", bias=False, weight_form="concat")),
+    ("layer_norm_linear_train", dict(shape=(33, 70, 45), dtype=torch.bfloat16, norm="layer", bias=True,
+                                     activation="gelu"))])
+def test_vendor_training_step_takes_cublas_for_both_passes(name, params, device):
+    """Under vendor a training step is cuBLAS's both ways: the forward's GEMM(s), then one pass storing y and the
+    slope(s) the backward reads (as tilefuse's fused epilogue stores them); the backward g = dy * slope, then
+    cuBLAS's dx and dW GEMMs and db from g. Gradients against float64."""
     spec = registry.get(name)
     with tilefuse.use_backend("vendor"), launches.recording() as recs:
         check_against_reference(spec, params, device, seed=5)
@@ -140,6 +143,10 @@ def test_vendor_training_step_takes_cublas_for_the_backward(name, params, device
         return
     backward = [r for r in recs if r.op == "linear_backward"]
     assert backward and {r.kernel for r in backward} == {"cublas"}, recs
+    forward = [r for r in recs if r.op == "linear"]
+    assert forward and {r.kernel for r in forward} == {"cublas"}, recs
+    if params["activation"] is not None:  # the slope(s) made by the pass after cuBLAS
+        assert all("slope" in r.config for r in forward), recs
 
 
 def test_vendor_norm_with_mixed_parameter_dtypes_takes_tilefuses_kernel(device):

@@ -1,21 +1,44 @@
-"""The gate of a GLU as a pass of its own: y = act(gate) * up over [M, N] rows (any row strides, unit column
-stride), fp32 math, y in its own dtype. The gated linear's cuBLAS candidate runs it after cuBLAS's GEMM(s): one
-read of each half and one write of y, where eager runs the activation and the product as two passes."""
+"""The elementwise passes of the GEMM family's cuBLAS candidates, run after cuBLAS's GEMM(s) on [M, N] rows (any
+row strides, unit column stride), fp32 math, outputs in their own dtype:
+
+- the gate of a GLU: y = act(gate) * up, one read of each half and one write of y, where eager runs the activation
+  and the product as two passes; with SAVE_SLOPES (the training forward) also the two slopes the backward reads,
+  (up * act'(gate), act(gate)) (activations.gated_slopes), as tilefuse's fused epilogue stores them;
+- the training forward's activation: y = act(pre) (over pre itself where y is pre) and its slope act'(pre)
+  (activations.activation_slope), the pair tilefuse's fused epilogue stores."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from tilefuse.kernels.activations import apply_gated
+from tilefuse.kernels.activations import activation_slope, apply_activation, apply_gated, gated_slopes
 
 
 @triton.jit
-def glu_gate_kernel(g_ptr, u_ptr, y_ptr, M, N, stride_g, stride_u, stride_y,
-                    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def glu_gate_kernel(g_ptr, u_ptr, y_ptr, sg_ptr, su_ptr, M, N, stride_g, stride_u, stride_y,
+                    ACTIVATION: tl.constexpr, SAVE_SLOPES: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     gate = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = apply_gated(gate, up, ACTIVATION)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    out = rows[:, None] * stride_y + cols[None, :]
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if SAVE_SLOPES:  # the slopes share y's layout
+        s_gate, s_up = gated_slopes(gate, up, ACTIVATION)
+        tl.store(sg_ptr + out, s_gate.to(sg_ptr.dtype.element_ty), mask=mask)
+        tl.store(su_ptr + out, s_up.to(su_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def activation_slope_kernel(h_ptr, y_ptr, s_ptr, M, N, stride_h, stride_y,
+                            ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    pre = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = rows[:, None] * stride_y + cols[None, :]
+    tl.store(y_ptr + out, apply_activation(pre, ACTIVATION).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + out, activation_slope(pre, ACTIVATION).to(s_ptr.dtype.element_ty), mask=mask)

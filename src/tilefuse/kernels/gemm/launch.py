@@ -34,7 +34,7 @@ from tilefuse.kernels import fastpath, launches
 from tilefuse.kernels.gemm import configs, coop
 from tilefuse.kernels.gemm.decode import block_m as decode_block_m
 from tilefuse.kernels.gemm.decode import decode_linear_kernel
-from tilefuse.kernels.gemm.gate import glu_gate_kernel
+from tilefuse.kernels.gemm.gate import activation_slope_kernel, glu_gate_kernel
 from tilefuse.kernels.gemm.backward import grad_input_kernel, grad_weight_kernel, grad_weight_tma_kernel
 from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
@@ -315,12 +315,13 @@ def _linear_chosen(x, weight, bias, activation, precision, path, save_slope, mod
     def run(candidate):
         if candidate == tuning.TILEFUSE:
             return _linear(x, weight, bias, None, None, activation, precision, path, save_slope)
-        return fastpath.vendor(_linear_vendor, candidate, x, weight, bias, activation, path)
+        return fastpath.vendor(_linear_vendor, candidate, x, weight, bias, activation, path, save_slope)
 
     def key():
         N, K = weight.shape
         return tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K, HAS_BIAS=bias is not None,
-                                ACTIVATION=activation, INPUT_PRECISION=precision, dtype=x.dtype)
+                                ACTIVATION=activation, INPUT_PRECISION=precision, **_training_field(save_slope),
+                                dtype=x.dtype)
     return fastpath.run_chosen(LINEAR_CHOICE, mode, _linear_candidates(x, bias, activation, save_slope), key,
                                x.device, run)
 
@@ -340,16 +341,20 @@ def _gated_chosen(x, w_gate, w_up, b_gate, b_up, activation, precision, path, sa
     def run(candidate):
         if candidate == tuning.TILEFUSE:
             return _linear(x, w_gate, b_gate, w_up, b_up, activation, precision, path, save_slope)
-        return fastpath.vendor(_gated_vendor, x, w_gate, w_up, b_gate, b_up, activation, path)
+        return fastpath.vendor(_gated_vendor, x, w_gate, w_up, b_gate, b_up, activation, path, save_slope)
 
     def key():
         N, K = w_gate.shape
         return tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(math.prod(x.shape[:-1])), N=N, K=K,
                                 HAS_BIAS=b_gate is not None, ACTIVATION=activation, INPUT_PRECISION=precision,
-                                STACKED=_stacked(w_gate, w_up), dtype=x.dtype)
-    # the training forward's slopes have no vendor counterpart in one pass
-    available = (tuning.TILEFUSE,) if save_slope else (tuning.TILEFUSE, CUBLAS)
-    return fastpath.run_chosen(GATED_CHOICE, mode, available, key, x.device, run)
+                                STACKED=_stacked(w_gate, w_up), **_training_field(save_slope), dtype=x.dtype)
+    return fastpath.run_chosen(GATED_CHOICE, mode, (tuning.TILEFUSE, CUBLAS), key, x.device, run)
+
+
+def _training_field(save_slope: bool) -> dict:
+    """The choice key's field for a training forward (the slopes stored too: its candidates' times differ from
+    inference's); none for inference, whose keys the shipped tables hold as they are."""
+    return {"TRAINING": True} if save_slope else {}
 
 
 def _linear(x, w, b, w_up, b_up, activation, precision, path, save_slope):
@@ -390,9 +395,10 @@ def _linear(x, w, b, w_up, b_up, activation, precision, path, save_slope):
 
 
 # ---- the vendor candidates of linear's forward ------------------------------------------------------
-# Same outputs as tilefuse's: y [..., N] contiguous in x's dtype; fp32 follows the same TF32 flag (torch's matmul
-# reads it as the kernels' precision_for does). The training forward (save_slope) stays tilefuse's: its slope
-# output has no vendor counterpart in one pass.
+# Same outputs as tilefuse's: y [..., N] contiguous in x's dtype (in training, with the slope(s) in y's layout);
+# fp32 follows the same TF32 flag (torch's matmul reads it as the kernels' precision_for does). The training
+# forward's slope comes from a pass of its own after cuBLAS (gate.py: the activation and its slope in one pass);
+# cuBLASLt's epilogue stores no slope, so it is no training candidate.
 CUBLASLT_EPILOGUE = "cublaslt_epilogue"  # torch._addmm_activation: cuBLASLt's bias + ReLU / tanh-GELU epilogue
 CUBLAS = "cublas"  # F.linear (bias in cuBLAS's epilogue), then torch's activation kernel in place on y
 LINEAR_CHOICE = tuning.BackendChoice("linear_forward_backend", (tuning.TILEFUSE, CUBLASLT_EPILOGUE, CUBLAS))
@@ -406,13 +412,23 @@ _IN_PLACE = {"gelu": lambda y: torch.ops.aten.gelu_(y),
 
 def _linear_candidates(x, bias, activation, save_slope) -> tuple[str, ...]:
     if save_slope:
-        return (tuning.TILEFUSE,)
+        return (tuning.TILEFUSE, CUBLAS)
     if x.is_cuda and bias is not None and activation in _EPILOGUE_ACTIVATIONS:
         return (tuning.TILEFUSE, CUBLASLT_EPILOGUE, CUBLAS)
     return (tuning.TILEFUSE, CUBLAS)
 
 
-def _linear_vendor(candidate, x, weight, bias, activation, path):
+def _linear_vendor(candidate, x, weight, bias, activation, path, save_slope=False):
+    if save_slope:  # pre by cuBLAS, then y = act(pre) over it and the slope act'(pre) in one pass
+        y = torch.nn.functional.linear(x, weight, bias).contiguous()
+        slope = torch.empty_like(y)
+        N = weight.shape[0]
+        M = y.numel() // N
+        tile = GATE_INTERPRETER_TILE if path == runtime.INTERPRETER else GATE_TILE
+        fastpath.launch(activation_slope_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"])),
+                        (y, y, slope, M, N, N, N), dict(ACTIVATION=activation, **tile))
+        launches.record("linear", path, CUBLAS, f"F.linear, then {activation} and its slope in one pass")
+        return y, slope
     if candidate == CUBLASLT_EPILOGUE:
         x2d = x.reshape(-1, x.shape[-1])
         y = torch._addmm_activation(bias, x2d, weight.t(), use_gelu=_EPILOGUE_ACTIVATIONS[activation])
@@ -439,7 +455,7 @@ def _stacked(first, second) -> bool:
             and second.data_ptr() == first.data_ptr() + first.numel() * first.element_size())
 
 
-def _gated_vendor(x, w_gate, w_up, b_gate, b_up, activation, path):
+def _gated_vendor(x, w_gate, w_up, b_gate, b_up, activation, path, save_slope=False):
     N, K = w_gate.shape
     M = math.prod(x.shape[:-1])
     x2d = x.reshape(M, K)
@@ -452,14 +468,15 @@ def _gated_vendor(x, w_gate, w_up, b_gate, b_up, activation, path):
         gate = torch.nn.functional.linear(x2d, w_gate, b_gate)
         up = torch.nn.functional.linear(x2d, w_up, b_up)
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    slopes = (torch.empty_like(y), torch.empty_like(y)) if save_slope else (y, y)  # (y, y): pointers never stored
     interpret = path == runtime.INTERPRETER
     tile = GATE_INTERPRETER_TILE if interpret else GATE_TILE
     grid = (cdiv(M, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"]))
-    fastpath.launch(glu_gate_kernel, grid, (gate, up, y, M, N, gate.stride(0), up.stride(0), N),
-                    dict(ACTIVATION=activation, **tile))
+    fastpath.launch(glu_gate_kernel, grid, (gate, up, y, *slopes, M, N, gate.stride(0), up.stride(0), N),
+                    dict(ACTIVATION=activation, SAVE_SLOPES=save_slope, **tile))
     launches.record("linear", path, CUBLAS, ("F.linear over the stacked weight" if stacked else "F.linear twice")
-                    + f", then the {activation} gate kernel")
-    return y
+                    + f", then the {activation} gate kernel" + (" with its slopes" if save_slope else ""))
+    return (y, *slopes) if save_slope else y
 
 
 def _launch_portable(x, m_inner, stride_xo, stride_xm, stride_xk, w, b, y, M, N, K, activation, input_precision,
@@ -555,27 +572,27 @@ def _layer_norm_linear_chosen(x2d, norm_weight, norm_bias, weight, bias, eps, is
             return _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision,
                                       path, save_slope)
         return fastpath.vendor(_norm_then_cublas, x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation,
-                               path)
+                               path, save_slope)
 
     def key():
         (M, K), N = x2d.shape, weight.shape[0]
         return tuning.ChoiceKey(M_BUCKET=sizes.m_bucket(M), N=N, K=K, IS_RMS=is_rms, HAS_GAMMA=norm_weight is not None,
                                 HAS_BETA=norm_bias is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
-                                INPUT_PRECISION=precision, dtype=x2d.dtype)
-    # the training forward's slope has no vendor counterpart in one pass
-    available = (tuning.TILEFUSE,) if save_slope else (tuning.TILEFUSE, NORM_THEN_CUBLAS)
-    return fastpath.run_chosen(NORM_LINEAR_CHOICE, mode, available, key, x2d.device, run)
+                                INPUT_PRECISION=precision, **_training_field(save_slope), dtype=x2d.dtype)
+    return fastpath.run_chosen(NORM_LINEAR_CHOICE, mode, (tuning.TILEFUSE, NORM_THEN_CUBLAS), key, x2d.device, run)
 
 
 # layer_norm_linear's vendor candidate: the norm (the norms family's entry, which makes its own choice between
-# tilefuse's kernel and torch's), then linear's cuBLAS composition on its output.
+# tilefuse's kernel and torch's), then linear's cuBLAS composition on its output (in training with the slope: the
+# backward recomputes the normalized rows itself, so nothing else of the forward is kept).
 NORM_THEN_CUBLAS = "norm_then_cublas"
 NORM_LINEAR_CHOICE = tuning.BackendChoice("layer_norm_linear_forward_backend", (tuning.TILEFUSE, NORM_THEN_CUBLAS))
 
 
-def _norm_then_cublas(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, path):
+def _norm_then_cublas(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, path, save_slope=False):
     y, _ = norm_forward(x2d, None, norm_weight, norm_bias, eps, is_rms, path)
-    return (_linear_vendor(CUBLAS, y, weight, bias, activation, path),)
+    out = _linear_vendor(CUBLAS, y, weight, bias, activation, path, save_slope)
+    return out if save_slope else (out,)
 
 
 def _layer_norm_linear(x2d, norm_weight, norm_bias, weight, bias, eps, is_rms, activation, precision, path,
