@@ -147,6 +147,30 @@ def test_vendor_training_step_takes_cublas_for_both_passes(name, params, device)
     assert forward and {r.kernel for r in forward} == {"cublas"}, recs
     if params["activation"] is not None:  # the slope(s) made by the pass after cuBLAS
         assert all("slope" in r.config for r in forward), recs
+    if name == "gated_linear_train":  # the registry's two weight forms are halves of one tensor
+        assert all(r.config.endswith("over the stacked weight") for r in backward), recs
+
+
+def test_vendor_gated_training_over_separate_weights_and_an_expanded_dy(device):
+    """The gated backward's cuBLAS form with W_gate and W_up two tensors (dx as two GEMMs, the second accumulated;
+    both dW from one GEMM, each half in its weight's layout) and the expanded dy of ``y.sum()`` (stride 0, which the
+    one pass making g reads as a dense copy): every gradient matches float64."""
+    x = torch.randn(2, 9, 40, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w_gate, w_up = ((torch.randn(24, 40, device=device, dtype=torch.bfloat16) / 6).requires_grad_() for _ in range(2))
+    b_gate, b_up = (torch.randn(24, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    leaves = (x, w_gate, w_up, b_gate, b_up)
+    with tilefuse.use_backend("vendor"), launches.recording() as recs:
+        y = tilefuse.linear(x, (w_gate, w_up), (b_gate, b_up), activation="swiglu")
+        grads = torch.autograd.grad(y.sum(), leaves)
+    d = [t.detach().double().requires_grad_() for t in leaves]
+    ref = torch.nn.functional.silu(d[0] @ d[1].T + d[3]) * (d[0] @ d[2].T + d[4])
+    want = torch.autograd.grad(ref.sum(), d)
+    for got, w_, name in zip(grads, want, ("dx", "dW_gate", "dW_up", "db_gate", "db_up")):
+        assert got.shape == w_.shape and got.dtype == x.dtype
+        assert_close(got, w_, default_tolerance(x.dtype), f"vendor gated backward: {name}")
+    if runtime.execution_path(x) != runtime.REFERENCE:
+        [bwd] = [r for r in recs if r.op == "linear_backward"]
+        assert bwd.kernel == "cublas" and "stacked" not in bwd.config, recs
 
 
 def test_vendor_norm_with_mixed_parameter_dtypes_takes_tilefuses_kernel(device):

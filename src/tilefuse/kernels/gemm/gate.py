@@ -5,7 +5,9 @@ row strides, unit column stride), fp32 math, outputs in their own dtype:
   and the product as two passes; with SAVE_SLOPES (the training forward) also the two slopes the backward reads,
   (up * act'(gate), act(gate)) (activations.gated_slopes), as tilefuse's fused epilogue stores them;
 - the training forward's activation: y = act(pre) (over pre itself where y is pre) and its slope act'(pre)
-  (activations.activation_slope), the pair tilefuse's fused epilogue stores."""
+  (activations.activation_slope), the pair tilefuse's fused epilogue stores;
+- the gated backward's g: [dy * s_gate, dy * s_up] side by side in one [M, 2N] tensor (dy read once), so that dx
+  is one GEMM over the stacked weight and both dW one GEMM."""
 from __future__ import annotations
 
 import triton
@@ -42,3 +44,18 @@ def activation_slope_kernel(h_ptr, y_ptr, s_ptr, M, N, stride_h, stride_y,
     out = rows[:, None] * stride_y + cols[None, :]
     tl.store(y_ptr + out, apply_activation(pre, ACTIVATION).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + out, activation_slope(pre, ACTIVATION).to(s_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gated_grad_kernel(dy_ptr, sg_ptr, su_ptr, g_ptr, M, N, stride_dy, stride_s, stride_g,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = rows[:, None] * stride_s + cols[None, :]
+    s_gate = tl.load(sg_ptr + s, mask=mask, other=0.0).to(tl.float32)
+    s_up = tl.load(su_ptr + s, mask=mask, other=0.0).to(tl.float32)
+    g = g_ptr + rows[:, None] * stride_g + cols[None, :]
+    tl.store(g, (dy * s_gate).to(g_ptr.dtype.element_ty), mask=mask)
+    tl.store(g + N, (dy * s_up).to(g_ptr.dtype.element_ty), mask=mask)

@@ -34,7 +34,7 @@ from tilefuse.kernels import fastpath, launches
 from tilefuse.kernels.gemm import configs, coop
 from tilefuse.kernels.gemm.decode import block_m as decode_block_m
 from tilefuse.kernels.gemm.decode import decode_linear_kernel
-from tilefuse.kernels.gemm.gate import activation_slope_kernel, glu_gate_kernel
+from tilefuse.kernels.gemm.gate import activation_slope_kernel, gated_grad_kernel, glu_gate_kernel
 from tilefuse.kernels.gemm.backward import grad_input_kernel, grad_weight_kernel, grad_weight_tma_kernel
 from tilefuse.kernels.gemm.norm_prologue import norm_linear_kernel, weight_fold_kernel
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
@@ -727,31 +727,60 @@ def _linear_backward_vendor(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, n
     N, K = w.shape
     M = math.prod(x.shape[:-1])
     dy2d = dy.reshape(M, N)
-    weights = (w,) if w_up is None else (w, w_up)
-    slopes = (slope,) if w_up is None else (slope, slope_up)
-    gs = [dy2d if s is None else dy2d * s.reshape(M, N) for s in slopes]
+    if w_up is not None:
+        return _gated_backward_vendor(dy2d, x, w, w_up, slope.reshape(M, N), slope_up.reshape(M, N), need_dx,
+                                      need_dw, need_db, path)
+    g = dy2d if slope is None else dy2d * slope.reshape(M, N)
+    dx = dw = db = dy.new_empty((0,))
+    if need_dx:
+        dx = (g @ w).view(x.shape)
+    if need_dw or need_db:
+        dw = g.t() @ x.reshape(M, K)
+        dw = dw if w.is_contiguous() else torch.empty_like(w).copy_(dw)  # the weight's own layout
+        if need_db:
+            db = g.sum(0, dtype=torch.float32).to(x.dtype)
+    launches.record("linear_backward", path, CUBLAS, ("dy * slope, then " if slope is not None else "")
+                    + "cuBLAS's dx and dW GEMMs")
+    return dx, dw, db
+
+
+def _gated_backward_vendor(dy2d, x, w, w_up, s_gate, s_up, need_dx, need_dw, need_db, path):
+    """The gated backward's cuBLAS form: g = [dy * s_gate, dy * s_up] side by side in one [M, 2N] tensor (one pass,
+    dy read once: gate.py), then dx = g [W_gate; W_up] as one GEMM where the weights are the halves of one tensor
+    (else one per half, the second accumulated), and both dW as one GEMM g^T x, each half a view in its weight's
+    layout (a copy where the weight is not dense), db the column sums of g."""
+    N, K = w.shape
+    M = dy2d.shape[0]
+    if dy2d.stride(1) != 1:  # autograd's dy may be expanded or strided: the pass reads rows of unit stride
+        dy2d = dy2d.contiguous()
+    g = torch.empty((M, 2 * N), dtype=dy2d.dtype, device=dy2d.device)
+    tile = GATE_INTERPRETER_TILE if path == runtime.INTERPRETER else GATE_TILE
+    fastpath.launch(gated_grad_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"])),
+                    (dy2d, s_gate, s_up, g, M, N, dy2d.stride(0), s_gate.stride(0), 2 * N), dict(tile))
+    g_gate, g_up = g[:, :N], g[:, N:]
+    stacked = _stacked(w, w_up)
 
     def none():
-        return dy.new_empty((0,))
+        return dy2d.new_empty((0,))
     dx = none()
     if need_dx:
-        dx2d = gs[0] @ weights[0]
-        for g, wb in zip(gs[1:], weights[1:]):
-            dx2d.addmm_(g, wb)
+        if stacked:
+            dx2d = g @ w.as_strided((2 * N, K), (K, 1))
+        else:
+            dx2d = g_gate @ w
+            dx2d.addmm_(g_up, w_up)
         dx = dx2d.view(x.shape)
     dws, dbs = [none(), none()], [none(), none()]
     if need_dw or need_db:
-        x2d = x.reshape(M, K)
-        for i, (g, wb) in enumerate(zip(gs, weights)):
-            dw = g.t() @ x2d
-            dws[i] = dw if wb.is_contiguous() else torch.empty_like(wb).copy_(dw)  # the weight's own layout
-            if need_db:
-                dbs[i] = g.sum(0, dtype=torch.float32).to(x.dtype)
-    launches.record("linear_backward", path, CUBLAS, ("dy * slope, then " if slope is not None else "")
-                    + "cuBLAS's dx and dW GEMMs" + (" per branch" if w_up is not None else ""))
-    if w_up is not None:
-        return dx, dws[0], dws[1], dbs[0], dbs[1]
-    return dx, dws[0], dbs[0]
+        dw = g.t() @ x.reshape(M, K)  # [2N, K]: both halves in one GEMM
+        for i, (half, wb) in enumerate(((dw[:N], w), (dw[N:], w_up))):
+            dws[i] = half if wb.is_contiguous() else torch.empty_like(wb).copy_(half)  # the weight's own layout
+        if need_db:
+            db = g.sum(0, dtype=torch.float32).to(x.dtype)
+            dbs = [db[:N], db[N:]]
+    launches.record("linear_backward", path, CUBLAS, "dy * both slopes in one pass, then cuBLAS's dx and dW GEMMs"
+                    + (" over the stacked weight" if stacked else ""))
+    return dx, dws[0], dws[1], dbs[0], dbs[1]
 
 
 # Hopper's dW kernel (backward.py: grad_weight_tma_kernel), taken where its operands allow (measured faster than
