@@ -195,6 +195,19 @@ def test_logits_chunks_rows_apart_by_a_pitch(device, monkeypatch, form):
     assert made == ([(16, 301)] if form == "training" else [(37, 128), (37, 128)]), made
 
 
+def test_the_training_form_shares_the_tokens_evenly_among_its_chunks():
+    """As few token chunks as LCE_TRAINING_CHUNK_BYTES allows, the tokens shared evenly (multiples of 16 rows): at
+    the Llama-3 head 8 chunks of 1024 (the budget's 1040 rows would leave a last chunk of 912), at GPT-2's 4 of
+    2048 (2656 would leave 224); never more rows than tokens, never fewer than 16."""
+    from tilefuse.kernels.gemm import launch
+
+    assert launch.LCE_TRAINING_CHUNK_BYTES == 256 * 2**20
+    assert launch.lce_token_chunk(8192, 128256, 2) == 1024
+    assert launch.lce_token_chunk(8192, 50257, 2) == 2048
+    assert launch.lce_token_chunk(5, 50257, 2) == 5
+    assert launch.lce_token_chunk(100000, 10**9, 2) == 16
+
+
 def test_training_form_gives_a_second_backward_the_same_gradients(device):
     """The training form hands its gradients to the first backward; a second over the same graph
     (``retain_graph``) recomputes them, and both match float64."""
