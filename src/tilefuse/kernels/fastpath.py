@@ -196,6 +196,11 @@ class _Step:
         return t is None or (t.cache is self.tuner_state[0] and t.configs is self.tuner_state[1])
 
 
+def _choices_current(choices) -> bool:
+    """Whether every (choice, generation) a plan went through still holds the answers it gave then."""
+    return all(choice.generation == generation for choice, generation in choices)
+
+
 class Plan:
     """A replayable call: the outputs to allocate and the launches to issue."""
 
@@ -208,10 +213,7 @@ class Plan:
         self.scratch = any(getattr(getattr(s.compiled, "metadata", None), "global_scratch_size", 0) for s in steps)
 
     def current(self) -> bool:
-        for choice, generation in self.choices:
-            if choice.generation != generation:
-                return False
-        return all(s.current() for s in self.steps)
+        return _choices_current(self.choices) and all(s.current() for s in self.steps)
 
     def __call__(self, inputs):
         if self.scratch:  # Triton's launcher takes the kernel's global scratch from this thread's allocator
@@ -384,7 +386,7 @@ class VendorPlan:
 
     def current(self) -> bool:
         """False once a choice it went through has forgotten its answers (``BackendChoice.clear``)."""
-        return all(choice.generation == generation for choice, generation in self.choices)
+        return _choices_current(self.choices)
 
     def __call__(self, inputs):
         args = self.args.copy()

@@ -17,12 +17,19 @@ from tilefuse.kernels.activations import activation_slope, apply_activation, app
 
 
 @triton.jit
+def _row_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] tile of the [M, N] rows: (rows as int64, columns, in-bounds mask), over a
+    (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)) grid."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
+
+
+@triton.jit
 def glu_gate_kernel(g_ptr, u_ptr, y_ptr, sg_ptr, su_ptr, M, N, stride_g, stride_u, stride_y,
                     ACTIVATION: tl.constexpr, SAVE_SLOPES: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    rows, cols, mask = _row_tile(M, N, BLOCK_M, BLOCK_N)
     gate = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = apply_gated(gate, up, ACTIVATION)
@@ -37,9 +44,7 @@ def glu_gate_kernel(g_ptr, u_ptr, y_ptr, sg_ptr, su_ptr, M, N, stride_g, stride_
 @triton.jit
 def activation_slope_kernel(h_ptr, y_ptr, s_ptr, M, N, stride_h, stride_y,
                             ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    rows, cols, mask = _row_tile(M, N, BLOCK_M, BLOCK_N)
     pre = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     out = rows[:, None] * stride_y + cols[None, :]
     tl.store(y_ptr + out, apply_activation(pre, ACTIVATION).to(y_ptr.dtype.element_ty), mask=mask)
@@ -49,9 +54,7 @@ def activation_slope_kernel(h_ptr, y_ptr, s_ptr, M, N, stride_h, stride_y,
 @triton.jit
 def gated_grad_kernel(dy_ptr, sg_ptr, su_ptr, g_ptr, M, N, stride_dy, stride_s, stride_g,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    rows, cols, mask = _row_tile(M, N, BLOCK_M, BLOCK_N)
     dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = rows[:, None] * stride_s + cols[None, :]
     s_gate = tl.load(sg_ptr + s, mask=mask, other=0.0).to(tl.float32)

@@ -424,9 +424,8 @@ def _linear_vendor(candidate, x, weight, bias, activation, path, save_slope=Fals
         slope = torch.empty_like(y)
         N = weight.shape[0]
         M = y.numel() // N
-        tile = GATE_INTERPRETER_TILE if path == runtime.INTERPRETER else GATE_TILE
-        fastpath.launch(activation_slope_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"])),
-                        (y, y, slope, M, N, N, N), dict(ACTIVATION=activation, **tile))
+        grid, tile = _pass_grid(M, N, path)
+        fastpath.launch(activation_slope_kernel, grid, (y, y, slope, M, N, N, N), dict(ACTIVATION=activation, **tile))
         launches.record("linear", path, CUBLAS, f"F.linear, then {activation} and its slope in one pass")
         return y, slope
     if candidate == CUBLASLT_EPILOGUE:
@@ -449,6 +448,12 @@ GATE_TILE = dict(BLOCK_M=8, BLOCK_N=256, num_warps=4)
 GATE_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=128)
 
 
+def _pass_grid(M: int, N: int, path) -> tuple[tuple, dict]:
+    """(grid, tile) of an elementwise pass of gate.py over [M, N] rows."""
+    tile = GATE_INTERPRETER_TILE if path == runtime.INTERPRETER else GATE_TILE
+    return (cdiv(M, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"])), tile
+
+
 def _stacked(first, second) -> bool:
     """Whether ``second`` continues ``first`` in memory, both dense: the halves of one tensor."""
     return (first.is_contiguous() and second.is_contiguous() and first.dtype == second.dtype
@@ -469,9 +474,7 @@ def _gated_vendor(x, w_gate, w_up, b_gate, b_up, activation, path, save_slope=Fa
         up = torch.nn.functional.linear(x2d, w_up, b_up)
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     slopes = (torch.empty_like(y), torch.empty_like(y)) if save_slope else (y, y)  # (y, y): pointers never stored
-    interpret = path == runtime.INTERPRETER
-    tile = GATE_INTERPRETER_TILE if interpret else GATE_TILE
-    grid = (cdiv(M, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"]))
+    grid, tile = _pass_grid(M, N, path)
     fastpath.launch(glu_gate_kernel, grid, (gate, up, y, *slopes, M, N, gate.stride(0), up.stride(0), N),
                     dict(ACTIVATION=activation, SAVE_SLOPES=save_slope, **tile))
     launches.record("linear", path, CUBLAS, ("F.linear over the stacked weight" if stacked else "F.linear twice")
@@ -754,9 +757,9 @@ def _gated_backward_vendor(dy2d, x, w, w_up, s_gate, s_up, need_dx, need_dw, nee
     if dy2d.stride(1) != 1:  # autograd's dy may be expanded or strided: the pass reads rows of unit stride
         dy2d = dy2d.contiguous()
     g = torch.empty((M, 2 * N), dtype=dy2d.dtype, device=dy2d.device)
-    tile = GATE_INTERPRETER_TILE if path == runtime.INTERPRETER else GATE_TILE
-    fastpath.launch(gated_grad_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"])),
-                    (dy2d, s_gate, s_up, g, M, N, dy2d.stride(0), s_gate.stride(0), 2 * N), dict(tile))
+    grid, tile = _pass_grid(M, N, path)
+    fastpath.launch(gated_grad_kernel, grid, (dy2d, s_gate, s_up, g, M, N, dy2d.stride(0), s_gate.stride(0), 2 * N),
+                    dict(tile))
     g_gate, g_up = g[:, :N], g[:, N:]
     stacked = _stacked(w, w_up)
 
