@@ -1,13 +1,13 @@
 """The elementwise passes of the GEMM family's cuBLAS candidates, run after cuBLAS's GEMM(s) on [M, N] rows (any
 row strides, unit column stride), fp32 math, outputs in their own dtype:
 
-- the gate of a GLU: y = act(gate) * up, one read of each half and one write of y, where eager runs the activation
-  and the product as two passes; with SAVE_SLOPES (the training forward) also the two slopes the backward reads,
+- the gate of a GLU: y = act(gate + b_gate) * (up + b_up), one read of each half and one write of y, where eager
+  runs the activation and the product as two passes; with SAVE_SLOPES (the training forward) also the two slopes the backward reads,
   (up * act'(gate), act(gate)) (activations.gated_slopes), as tilefuse's fused epilogue stores them;
 - the training forward's activation: y = act(pre) (over pre itself where y is pre) and its slope act'(pre)
   (activations.activation_slope), the pair tilefuse's fused epilogue stores;
-- the gated backward's g: [dy * s_gate, dy * s_up] side by side in one [M, 2N] tensor (dy read once), so that dx
-  is one GEMM over the stacked weight and both dW one GEMM."""
+- the gated backward's g: [dy * s_gate, dy * s_up] side by side in one [M, 2N] tensor (dy read once), so that both
+  dW are one GEMM."""
 from __future__ import annotations
 
 import triton
@@ -26,12 +26,15 @@ def _row_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def glu_gate_kernel(g_ptr, u_ptr, y_ptr, sg_ptr, su_ptr, M, N, stride_g, stride_u, stride_y,
-                    ACTIVATION: tl.constexpr, SAVE_SLOPES: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+def glu_gate_kernel(g_ptr, u_ptr, bg_ptr, bu_ptr, y_ptr, sg_ptr, su_ptr, M, N, stride_g, stride_u, stride_y,
+                    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_SLOPES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows, cols, mask = _row_tile(M, N, BLOCK_M, BLOCK_N)
     gate = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # the biases added here in fp32, not by cuBLAS (see the launch module's gated candidate)
+        gate += tl.load(bg_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bu_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     y = apply_gated(gate, up, ACTIVATION)
     out = rows[:, None] * stride_y + cols[None, :]
     tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)

@@ -418,15 +418,40 @@ def _linear_candidates(x, bias, activation, save_slope) -> tuple[str, ...]:
     return (tuning.TILEFUSE, CUBLAS)
 
 
+def _relu_pre_in_fp32(x, bias, activation) -> bool:
+    """Whether the training forward's cuBLAS pre-activation is kept in fp32: relu's slope is a step at 0, and a 16-bit
+    x @ W^T rounded before the bias is added (cuBLAS on the H200 does so for bf16) puts pre within that rounding of 0
+    on the other side from float64: dx, dW and db then carry whole flipped terms (rel-L2 2e-2 at M257 K1000 N515,
+    from about 50 flips). One fp32 pre (bias added in fp32, rounded once) keeps the sign tilefuse's epilogue sees.
+    The smooth activations take the 16-bit pre, eager's rounding."""
+    return activation == "relu" and bias is not None and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def _fp32_linear(x, weight, bias):
+    """x @ W^T + b as an fp32 [M, N] tensor from 16-bit operands, accumulated and biased in fp32 (cuBLAS's fp32
+    output on CUDA; fp32 copies elsewhere)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if x.is_cuda:
+        return torch.addmm(bias, x2d, weight.t(), out_dtype=torch.float32)
+    return torch.addmm(bias.float(), x2d.float(), weight.float().t())
+
+
 def _linear_vendor(candidate, x, weight, bias, activation, path, save_slope=False):
-    if save_slope:  # pre by cuBLAS, then y = act(pre) over it and the slope act'(pre) in one pass
-        y = torch.nn.functional.linear(x, weight, bias).contiguous()
-        slope = torch.empty_like(y)
+    if save_slope:  # pre by cuBLAS, then y = act(pre) (over pre itself where it is 16-bit) and its slope, one pass
         N = weight.shape[0]
-        M = y.numel() // N
+        M = math.prod(x.shape[:-1])
+        if _relu_pre_in_fp32(x, bias, activation):
+            pre = _fp32_linear(x, weight, bias)
+            y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+            how = "F.linear in fp32"
+        else:
+            y = pre = torch.nn.functional.linear(x, weight, bias).contiguous()
+            how = "F.linear"
+        slope = torch.empty_like(y)
         grid, tile = _pass_grid(M, N, path)
-        fastpath.launch(activation_slope_kernel, grid, (y, y, slope, M, N, N, N), dict(ACTIVATION=activation, **tile))
-        launches.record("linear", path, CUBLAS, f"F.linear, then {activation} and its slope in one pass")
+        fastpath.launch(activation_slope_kernel, grid, (pre, y, slope, M, N, N, N),
+                        dict(ACTIVATION=activation, **tile))
+        launches.record("linear", path, CUBLAS, f"{how}, then {activation} and its slope in one pass")
         return y, slope
     if candidate == CUBLASLT_EPILOGUE:
         x2d = x.reshape(-1, x.shape[-1])
@@ -441,8 +466,7 @@ def _linear_vendor(candidate, x, weight, bias, activation, path, save_slope=Fals
     return y
 
 
-# The gated forward's vendor candidate: cuBLAS's GEMM -- one over the stacked weight where W_gate and W_up are the
-# two halves of one [2N, K] tensor (and the biases of one [2N]), else one per half -- then the gate kernel (gate.py).
+# The gated forward's vendor candidate: one cuBLAS GEMM per half, then the gate kernel (gate.py) with the biases.
 GATED_CHOICE = tuning.BackendChoice("gated_linear_forward_backend", (tuning.TILEFUSE, CUBLAS))
 GATE_TILE = dict(BLOCK_M=8, BLOCK_N=256, num_warps=4)
 GATE_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=128)
@@ -461,24 +485,26 @@ def _stacked(first, second) -> bool:
 
 
 def _gated_vendor(x, w_gate, w_up, b_gate, b_up, activation, path, save_slope=False):
+    """One cuBLAS GEMM per half, each without its bias, then the gate kernel adds both biases in fp32. The same calls
+    whether the halves are two tensors or one stacked [2N, K] tensor, so both weight forms get the same bits, as
+    tilefuse's kernel gives them: one GEMM over a stacked weight would take other cuBLAS kernels than two over its
+    halves, and a bias view at an odd offset another epilogue. (Equal bits also need cuBLAS to see the same
+    alignment: it does where N * K is a multiple of 8.)"""
     N, K = w_gate.shape
     M = math.prod(x.shape[:-1])
     x2d = x.reshape(M, K)
-    stacked = _stacked(w_gate, w_up) and (b_gate is None or _stacked(b_gate, b_up))
-    if stacked:
-        h = torch.nn.functional.linear(x2d, w_gate.as_strided((2 * N, K), (K, 1)),
-                                       None if b_gate is None else b_gate.as_strided((2 * N,), (1,)))
-        gate, up = h[:, :N], h[:, N:]
-    else:
-        gate = torch.nn.functional.linear(x2d, w_gate, b_gate)
-        up = torch.nn.functional.linear(x2d, w_up, b_up)
+    gate = torch.mm(x2d, w_gate.t())
+    up = torch.mm(x2d, w_up.t())
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     slopes = (torch.empty_like(y), torch.empty_like(y)) if save_slope else (y, y)  # (y, y): pointers never stored
+    has_bias = b_gate is not None
+    biases = (b_gate, b_up) if has_bias else (y, y)  # (y, y): never read
     grid, tile = _pass_grid(M, N, path)
-    fastpath.launch(glu_gate_kernel, grid, (gate, up, y, *slopes, M, N, gate.stride(0), up.stride(0), N),
-                    dict(ACTIVATION=activation, SAVE_SLOPES=save_slope, **tile))
-    launches.record("linear", path, CUBLAS, ("F.linear over the stacked weight" if stacked else "F.linear twice")
-                    + f", then the {activation} gate kernel" + (" with its slopes" if save_slope else ""))
+    fastpath.launch(glu_gate_kernel, grid, (gate, up, *biases, y, *slopes, M, N, gate.stride(0), up.stride(0), N),
+                    dict(ACTIVATION=activation, HAS_BIAS=has_bias, SAVE_SLOPES=save_slope, **tile))
+    launches.record("linear", path, CUBLAS, "a cuBLAS GEMM per half, then the "
+                    + f"{activation} gate kernel" + (" with the biases" if has_bias else "")
+                    + (" and its slopes" if save_slope else ""))
     return (y, *slopes) if save_slope else y
 
 
@@ -749,9 +775,9 @@ def _linear_backward_vendor(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, n
 
 def _gated_backward_vendor(dy2d, x, w, w_up, s_gate, s_up, need_dx, need_dw, need_db, path):
     """The gated backward's cuBLAS form: g = [dy * s_gate, dy * s_up] side by side in one [M, 2N] tensor (one pass,
-    dy read once: gate.py), then dx = g [W_gate; W_up] as one GEMM where the weights are the halves of one tensor
-    (else one per half, the second accumulated), and both dW as one GEMM g^T x, each half a view in its weight's
-    layout (a copy where the weight is not dense), db the column sums of g."""
+    dy read once: gate.py), then dx = g_gate W_gate + g_up W_up as one GEMM per half, the second accumulated (the
+    same calls for both weight forms, as in the forward), and both dW as one GEMM g^T x, each half a view in its
+    weight's layout (a copy where the weight is not dense), db the column sums of g."""
     N, K = w.shape
     M = dy2d.shape[0]
     if dy2d.stride(1) != 1:  # autograd's dy may be expanded or strided: the pass reads rows of unit stride
@@ -761,17 +787,13 @@ def _gated_backward_vendor(dy2d, x, w, w_up, s_gate, s_up, need_dx, need_dw, nee
     fastpath.launch(gated_grad_kernel, grid, (dy2d, s_gate, s_up, g, M, N, dy2d.stride(0), s_gate.stride(0), 2 * N),
                     dict(tile))
     g_gate, g_up = g[:, :N], g[:, N:]
-    stacked = _stacked(w, w_up)
 
     def none():
         return dy2d.new_empty((0,))
     dx = none()
     if need_dx:
-        if stacked:
-            dx2d = g @ w.as_strided((2 * N, K), (K, 1))
-        else:
-            dx2d = g_gate @ w
-            dx2d.addmm_(g_up, w_up)
+        dx2d = g_gate @ w
+        dx2d.addmm_(g_up, w_up)
         dx = dx2d.view(x.shape)
     dws, dbs = [none(), none()], [none(), none()]
     if need_dw or need_db:
@@ -781,8 +803,8 @@ def _gated_backward_vendor(dy2d, x, w, w_up, s_gate, s_up, need_dx, need_dw, nee
         if need_db:
             db = g.sum(0, dtype=torch.float32).to(x.dtype)
             dbs = [db[:N], db[N:]]
-    launches.record("linear_backward", path, CUBLAS, "dy * both slopes in one pass, then cuBLAS's dx and dW GEMMs"
-                    + (" over the stacked weight" if stacked else ""))
+    launches.record("linear_backward", path, CUBLAS, "dy * both slopes in one pass, then cuBLAS's dx GEMM per half "
+                    "and one dW GEMM")
     return dx, dws[0], dws[1], dbs[0], dbs[1]
 
 
