@@ -212,6 +212,46 @@ def test_linear_replays_its_launch_on_new_tensors(M, pinned_tuners):
     assert y2.shape == (M, 4096) and y2.dtype == torch.bfloat16 and y2.data_ptr() != y1.data_ptr()
 
 
+def test_a_choice_times_tilefuses_candidate_as_its_replays_run(pinned_tuners, monkeypatch, tmp_path):
+    """A backend choice times each candidate as the calls after it run: tilefuse's first timed call takes the full
+    launch path, every later one reissues that launch through the C launcher (a replay), as the fast path replays
+    it; a candidate with no launch of tilefuse's (a vendor composition) is called in full each time. Timed on
+    the full path, tilefuse's host-bound candidates lost to cuBLAS's by host time only a first call pays."""
+    from tilefuse.kernels.gemm import launch as gemm_launch
+    from tilefuse.tuning import choices
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(tuning.autotuner, "_tune_missing_keys", True)
+    monkeypatch.setattr(tuning.autotuner, "autotune_enabled", lambda: True)
+    choices._CHOICES.pop("test_timed_as_replayed", None)
+    choice = tuning.BackendChoice("test_timed_as_replayed", ("tilefuse", "torch"))
+    x, w, b = _linear_inputs(512, 1024, 1024)
+    vendor_calls = []
+
+    def run(candidate):  # as linear's entry runs a candidate: tilefuse's full launch path, no plan lookup
+        if candidate == "tilefuse":
+            precision = gemm_launch.precision_for(x.dtype, True)
+            return gemm_launch._linear(x, w, b, None, None, "gelu", precision, "compiled", False)
+        vendor_calls.append(candidate)
+        return torch.nn.functional.linear(x, w, b)
+
+    with torch.no_grad(), stubbed_launches() as launches:
+        def do_bench(fn, **kwargs):
+            before = len(launches)
+            for _ in range(3):
+                fn()
+            return 0.1 if len(launches) > before else 0.5  # tilefuse's launches: the faster
+        monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+        key = lambda: tuning.ChoiceKey(N=1024, dtype=torch.bfloat16)  # noqa: E731
+        fastpath.run_chosen(choice, "auto", choice.candidates, key, torch.device("cuda"), run)
+    assert [launch.kernel for launch in launches] == ["linear_tma_kernel"] * 4
+    # timed: the full path once, then two replays; then the call itself, on the full path as its entry runs it
+    assert [launch.replay for launch in launches] == [False, True, True, False]
+    assert launches[1].pointers == launches[0].pointers and _strip(launches[0].kwargs) == launches[1].kwargs
+    assert vendor_calls == ["torch"] * 3
+
+
 def test_linear_replays_only_calls_that_match_the_captured_one(pinned_tuners):
     """Anything the dispatch reads takes the full path again: another shape, dtype, alignment (Triton
     specializes pointers on 16 bytes; TMA needs it), bias presence, activation; and bad input still gets

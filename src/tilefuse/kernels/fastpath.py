@@ -99,15 +99,84 @@ def run_aside(fn, *args):
 def run_chosen(choice, mode: str, available: tuple, key, device, run):
     """``run(candidate)`` for the candidate ``choice`` (a ``tuning.BackendChoice``) takes under backend ``mode``
     among ``available``. ``key()`` makes the choice's key, only where more than one candidate is allowed (so a
-    call with one, such as any call under ``tilefuse``, builds none); a candidate timed to choose runs aside."""
+    call with one, such as any call under ``tilefuse``, builds none); a candidate timed to choose runs aside, as its
+    replays would run (:func:`_as_replayed`)."""
     allowed = choice.allowed(mode, available)
     if len(allowed) == 1:
         return run(allowed[0])
-    candidate = choice.choose(mode, available, key(), device, lambda c: run_aside(run, c))
+    candidate = choice.choose(mode, available, key(), device, _as_replayed(run))
     capture = getattr(_local, "capture", None)
     if capture is not None:  # a plan made of this call holds until the choice forgets what it answered
         capture.choices.append((choice, choice.generation))
     return run(candidate)
+
+
+def _as_replayed(run):
+    """``run(candidate)`` as a choice times it: each candidate as the calls after the choice take it, through this
+    module's replays. A candidate's first call runs in full under a capture of its own (aside from the plan being
+    made, if any); each later call reissues those launches through Triton's C launcher with the same arguments (and
+    allocates outputs as a plan's replay does), so that tilefuse's kernels are timed with a replay's host cost, not
+    with that of the full launch path (the autotuner's lookup, Triton's binding, TMA descriptors) that only a first
+    call pays -- on a host-bound shape that full path would decide for the vendor. A candidate with nothing to
+    reissue (a vendor composition, which its plan calls again; a launch whose arguments cannot be bound) is called
+    in full each time. The reissue does not ask whether a plan would hold (a launch touching a temporary keeps a
+    call off the fast path): the calls the families make replay (tests/test_host_path.py), and one that does not
+    is timed here as if it did."""
+    replays: dict = {}
+
+    def call(candidate):
+        replay = replays.get(candidate)
+        if replay is not None:
+            return replay()
+        out, replays[candidate] = _first_call_and_replay(run, candidate)
+        return out
+    return call
+
+
+def _first_call_and_replay(run, candidate):
+    """(``run(candidate)``'s output, a callable reissuing its launches) -- see :func:`_as_replayed`."""
+    saved = getattr(_local, "capture", None)
+    capture = _local.capture = _Capture()
+    try:
+        with launches.paused():
+            out = run(candidate)
+    finally:
+        _local.capture = saved
+    outs = (out,) if isinstance(out, torch.Tensor) else tuple(out) if isinstance(out, (tuple, list)) else ()
+    if (capture.vendor or not capture.ok or not capture.launches or not outs
+            or not all(isinstance(t, torch.Tensor) for t in outs)):
+        return out, lambda: run_aside(run, candidate)
+    return out, _Reissue(capture.launches, outs)
+
+
+class _Reissue:
+    """A captured call's launches reissued with the same arguments, the outputs allocated anew as a plan's replay
+    allocates them (and left unwritten: the launches write the first call's outputs again). It holds the captured
+    arguments, so every tensor the addresses point into -- the first call's outputs, any temporary of the launch
+    layer -- lives as long as it does."""
+
+    def __init__(self, captured, outs):
+        self.captured = captured
+        # Pointers as addresses, as a plan passes them.
+        self.steps = [(compiled, grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in bound])
+                      for compiled, grid, bound, _ in captured]
+        self.outputs = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outs]
+        self.device = outs[0].device
+        self.scratch = any(getattr(getattr(c, "metadata", None), "global_scratch_size", 0) for c, _, _ in self.steps)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.stream = driver.active.get_current_stream(index)
+
+    def __call__(self):
+        if self.scratch:
+            ensure_descriptor_allocator()
+        fresh = [torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+                 for shape, stride, dtype in self.outputs]
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        stream = self.stream
+        for k, grid, args in self.steps:
+            meta = None if enter is None else k.launch_metadata(grid, stream, *args)
+            k.run(grid[0], grid[1], grid[2], stream, k.function, k.packed_metadata, meta, enter, leave, *args)
+        return fresh
 
 
 def vendor(fn, *args):
