@@ -28,7 +28,9 @@ FAMILIES = {
              ("linear", "gated_linear", "layer_norm_linear", "linear_train", "gated_linear_train",
               "layer_norm_linear_train", "qkv_projection_train")),
     "norms": (("norm_fwd",), ("layer_norm", "rms_norm", "layer_norm_linear")),
-    "softmax": (("softmax_fwd_block", "softmax_fwd_long", "softmax_bwd_block"), ("softmax", "softmax_backward")),
+    "softmax": (("softmax_fwd_block", "softmax_fwd_long", "softmax_fwd_long_auto", "softmax_fwd_loop",
+                 "softmax_fwd_loop_auto", "softmax_split_stats_auto", "softmax_bwd_block", "softmax_bwd_loop"),
+                ("softmax", "softmax_backward")),
     # the measured choices between tilefuse's kernels and the vendor's (tuning.choices), under the default backend
     "backends": (("norm_forward_backend", "norm_backward_backend", "softmax_forward_backend",
                   "softmax_backward_backend", "linear_forward_backend", "gated_linear_forward_backend",
