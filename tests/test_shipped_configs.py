@@ -1,7 +1,9 @@
 """The tuned configs shipped for the H200 (src/tilefuse/configs/nvidia-h200.json) give right answers.
 
 The GPU suite pins every kernel to its first config (TILEFUSE_AUTOTUNE=0), so the configs users actually run
-would otherwise never be checked. Here, on an H200, the tuners read the shipped table (an empty user cache, no
+would otherwise never be checked. Here, on an H200 or any other GPU of its architecture (sm_90: an H100 compiles
+and runs the same kernels with the same configs, so right answers there are right answers on the H200), the
+tuners read the shipped table (an empty user cache, no
 benchmarking: a key the table lacks takes the pinned first config), every GPU accuracy case and benchmark row
 of the ops behind each table family runs once, its leading size moved off the power of two where that keeps the
 key's bucket (ragged last tiles), against float64 -- and every entry of the table must have served one of them.
@@ -88,6 +90,9 @@ def shipped_tuners(monkeypatch, tmp_path):
     from tilefuse.kernels.softmax import launch as _s  # noqa: F401
 
     monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path))
+    # the H200's table whatever the sm_90 GPU's name
+    monkeypatch.setattr(tuning.autotuner, "gpu_slug", lambda name: SLUG)
+    monkeypatch.setattr(choices, "gpu_slug", lambda name: SLUG)
     monkeypatch.setattr(tuning.autotuner, "_use_stored_configs", True)
     original = tuning.TableAutotuner.choose
 
@@ -114,8 +119,9 @@ def shipped_tuners(monkeypatch, tmp_path):
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_shipped_config_computes_its_bucket_against_float64(family, shipped_tuners):
-    if torch.cuda.get_device_name() != "NVIDIA H200":
-        pytest.skip(f"the table is the H200's; this GPU is {torch.cuda.get_device_name()}")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the table is the H200's (sm_90); this GPU is {torch.cuda.get_device_name()}, "
+                    f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
     from tilefuse.kernels.gemm import launch
 
     kernels, ops = FAMILIES[family]

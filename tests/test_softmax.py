@@ -231,6 +231,31 @@ def test_auto_runs_the_algorithm_its_tuner_measured(plan, algorithm, monkeypatch
         _last("softmax")
 
 
+def test_split_rows_of_one_bucket_share_the_split_tuners_key(monkeypatch):
+    """The split plan's tuner keys on the power-of-two buckets of N and of the row count, as every other
+    softmax tuner does: 3 rows and 4 rows reuse one measured choice (and one shipped entry) instead of
+    measuring each row count again."""
+    monkeypatch.setattr(K, "_caps", lambda interpret, device: K.GPU_CAPS)
+    tuner = K.softmax_split_stats_auto
+    monkeypatch.setattr(tuner, "pinned", True)
+    monkeypatch.setattr(tuner, "configs", [tuner.configs[0]])
+    monkeypatch.setattr(tuner, "cache", {})
+    keys = []
+    launch = K.fastpath.launch
+
+    def recording_launch(kernel, grid, args, kwargs):
+        if kernel is tuner:
+            keys.append(tuner.tuning_key(args, kwargs)[1])
+        return launch(kernel, grid, args, kwargs)
+
+    monkeypatch.setattr(K.fastpath, "launch", recording_launch)
+    for rows in (3, 4):
+        x = _rand(rows, 20000, device="cpu", seed=rows, scale=4.0)
+        assert_close(S.softmax(x, -1, algorithm="auto"), torch.softmax(x.double(), -1), 1e-5, f"split {rows} rows")
+    assert len(keys) == 2 and keys[0] == keys[1], keys
+    assert keys[0].startswith("KEY_N=32768 KEY_R=4 "), keys
+
+
 def test_h200_plans():
     """The GPU tiling for the issue's shapes (pure Python: no GPU needed to check the plan)."""
     caps = K.GPU_CAPS

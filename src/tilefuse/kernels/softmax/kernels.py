@@ -222,6 +222,7 @@ def softmax_split_stats_kernel(
     x_ptr, m_ptr, d_ptr,
     N, R, R_INNER, SEG_LEN, S,
     stride_xo, stride_xi, stride_xn,
+    KEY_N, KEY_R,  # autotune keys only: power-of-two buckets of N and of R
     ALGORITHM: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_s, row, outer, offs_i, mask_m = _segment_row(R, R_INNER, False)

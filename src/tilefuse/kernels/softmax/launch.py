@@ -214,7 +214,7 @@ softmax_fwd_long_auto = tuning.autotune(
 softmax_split_stats_auto = tuning.autotune(
     name="softmax_split_stats_auto",
     configs=[triton.Config({"ALGORITHM": a}, num_warps=_warps(GPU_CAPS.split_block_n)) for a in ("online", "two_pass")],
-    key=["N", "R", "WIDE"])(softmax_split_stats_kernel)
+    key=["KEY_N", "KEY_R", "WIDE"])(softmax_split_stats_kernel)
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -263,7 +263,8 @@ def _launch_forward(x, y, layout: RowLayout, algorithm: str, interpret: bool) ->
         ws = torch.empty((2, R, p.segments), dtype=torch.float32, device=x.device)
         (sxo, sxi, sxn), (syo, syi, syn) = layout.strides
         grid = (p.segments, R)
-        stats_args = (x, ws[0], ws[1], N, R, r_inner, p.seg_len, p.segments, sxo, sxi, sxn)
+        stats_args = (x, ws[0], ws[1], N, R, r_inner, p.seg_len, p.segments, sxo, sxi, sxn,
+                      sizes.m_bucket(N), sizes.m_bucket(R))
         if measured:
             fastpath.launch(softmax_split_stats_auto, grid, stats_args, dict(WIDE=wide, BLOCK_N=p.block_n))
             algorithm = softmax_split_stats_auto.launched_config().kwargs["ALGORITHM"]
