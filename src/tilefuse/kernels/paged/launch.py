@@ -11,7 +11,10 @@ from tilefuse.kernels.paged.kernels import paged_append_kernel, paged_decode_ker
 from tilefuse.sizes import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
-MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (its q load, the merge's partials) outweighs its keys
+MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (its q load, the merge's partials) outweighs its keys
+# Programs per SM the splits aim for: one 4-warp program per SM left the H100's read at 28-52% of its ceiling at
+# batch 1 (benchmarks/NOTES.md, paged decode); several per SM keep enough loads in flight.
+PROGRAMS_PER_SM = 4
 MAX_SPLITS = 64
 
 
@@ -29,7 +32,7 @@ def append(k, v, k_pages, v_pages, block_table, slots, old_lens, path: str) -> N
 def choose_splits(batch: int, kv_heads: int, max_len: int, num_sms: int) -> int:
     """Splits of the key positions per (sequence, KV head): enough programs to fill the SMs, never a split
     shorter than MIN_KEYS_PER_SPLIT keys."""
-    want = cdiv(num_sms, max(batch * kv_heads, 1))
+    want = cdiv(PROGRAMS_PER_SM * num_sms, max(batch * kv_heads, 1))
     return max(1, min(want, cdiv(max_len, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
