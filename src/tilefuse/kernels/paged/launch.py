@@ -12,9 +12,8 @@ from tilefuse.sizes import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (its q load, the merge's partials) outweighs its keys
-# Programs per SM the splits aim for: one 4-warp program per SM left the H100's read at 28-52% of its ceiling at
-# batch 1; two per SM is where a sweep of the split count flattened out at every batch size, and more splits only
-# add partials and merge work (benchmarks/NOTES.md, paged decode).
+# Programs per SM the splits aim for: fewer leave too few loads in flight to reach the read ceiling; more only add
+# partials and merge work (the measured split sweep: benchmarks/NOTES.md, paged decode).
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
 
