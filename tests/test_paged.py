@@ -214,6 +214,7 @@ def test_custom_op_path_matches_the_direct_path(device):
     q = _tokens(len(ids), 2, cache.num_kv_heads * 2, dtype, device, gen)
     direct = tilefuse.paged_attention(q, cache, 1, ids, num_splits=2)
     slots = torch.tensor(ids, dtype=torch.int32, device=device)
-    via_op = torch.ops.tilefuse.paged_attention(q, cache.k_pages[1], cache.v_pages[1], cache.block_table[1],
-                                                cache.seq_lens[1], slots, max(PROMPTS) + 2, HEAD_DIM ** -0.5, 2)
-    assert torch.equal(direct, via_op)
+    via_op, lse = torch.ops.tilefuse.kv_attention(
+        q, cache.k_pages[1], cache.v_pages[1], cache.block_table[1], cache.seq_lens[1], slots, None, None, None,
+        None, None, True, 0, 2, max(PROMPTS) + 2, HEAD_DIM ** -0.5, -1, 0, 0.0, False, False, 2, False)
+    assert torch.equal(direct, via_op) and lse.numel() == 0

@@ -56,3 +56,64 @@ def check_softcap(softcap):
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
         raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
     return float(softcap)
+
+
+def flash_attn_window(dropout_p, window_size, softcap):
+    """FlashAttention's shared arguments checked; returns the window as tilefuse takes it (None: unbounded)."""
+    if dropout_p != 0.0:
+        raise NotImplementedError("tilefuse's flash_attn functions have no dropout; use dropout_p=0.0")
+    if isinstance(window_size, torch.Tensor):  # FlashAttention's own tests pass a tensor of two ints
+        if window_size.shape != (2,) or window_size.is_floating_point() or window_size.is_complex() \
+                or window_size.dtype == torch.bool:
+            raise ValueError(f"window_size as a tensor must hold two ints (left, right), got {window_size!r}")
+        window_size = tuple(int(w) for w in window_size.tolist())
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise ValueError(f"window_size must be (left, right) ints, -1 for unbounded, got {window_size!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"softcap must be a number >= 0 (0: none), got {softcap!r}")
+    return None if tuple(window_size) == (-1, -1) else tuple(window_size)
+
+
+def score_modifiers(q, softcap, alibi_slopes):
+    """(softcap as a float or None, the slopes viewed as [B, Hq] or None), checked."""
+    softcap = check_softcap(softcap)
+    if alibi_slopes is None:
+        return softcap, None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes has dtype {alibi_slopes.dtype}; expected float32")
+    check_same_device("alibi_slopes", alibi_slopes, "q", q)
+    B, Hq = q.shape[0], q.shape[1]
+    shape = tuple(alibi_slopes.shape)
+    # ==, not `in`: under torch.compile(dynamic=True) Dynamo evaluated `shape in (...)` as False when the
+    # tuples held symbolic sizes
+    if not (shape == (Hq,) or shape == (B, Hq)):
+        raise ValueError(f"alibi_slopes must have shape [{Hq}] or [{B}, {Hq}] (q's [Hq] or [B, Hq]), got "
+                         f"{list(alibi_slopes.shape)}")
+    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("tilefuse.attention: alibi_slopes get no gradient; pass them detached")
+    return softcap, alibi_slopes.expand(B, Hq)
+
+
+def check_offsets(name, cu, total, max_seqlen, validate):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} has dtype {cu.dtype}; expected int32 or int64")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D [B + 1], got shape {tuple(cu.shape)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"the max_seqlen for {name} must be an int >= 0, got {max_seqlen!r}")
+    if validate:  # one host synchronisation; validate=False skips it (CUDA graphs, torch.compile)
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        if values[-1] != total:
+            raise ValueError(f"{name} must end at the total length {total}, got {values[-1]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"{name} must be non-decreasing, got {values}")
+        if lengths and max(lengths) > max_seqlen:
+            raise ValueError(f"{name} has a sequence of length {max(lengths)} above its max_seqlen {max_seqlen}")

@@ -16,7 +16,9 @@ import torch
 
 from tilefuse import runtime
 from tilefuse.ops import _dispatch, _dtensor
-from tilefuse.ops._checks import check_same_device, check_same_dtype, check_softcap, check_tensor, grad_needed
+from tilefuse.ops import paged as paged_ops
+from tilefuse.ops._checks import (check_offsets, check_same_device, check_same_dtype, check_tensor,
+                                  flash_attn_window, grad_needed, score_modifiers)
 from tilefuse.reference import attention as ref_attention
 
 MAX_HEAD_DIM = 256
@@ -339,7 +341,7 @@ def _attention(q, k, v, causal, window, scale, return_lse, deterministic, softca
     _check_scale(scale)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    softcap, alibi = _check_modifiers(q, softcap, alibi_slopes)
+    softcap, alibi = score_modifiers(q, softcap, alibi_slopes)
     left, right = tuple(window) if window is not None else (-1, -1)
     if causal:
         right = 0
@@ -347,28 +349,6 @@ def _attention(q, k, v, causal, window, scale, return_lse, deterministic, softca
     out, lse = _run(q, k, v, None, scale, True, left, right, return_lse, "attention", softcap, alibi, out_bnhd,
                     deterministic)
     return (out, _user_lse(lse, alibi, k.shape[2], k.shape[2] - q.shape[2])) if return_lse else out
-
-
-def _check_modifiers(q, softcap, alibi_slopes):
-    """(softcap as a float or None, the slopes viewed as [B, Hq] or None), checked."""
-    softcap = check_softcap(softcap)
-    if alibi_slopes is None:
-        return softcap, None
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-    if alibi_slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes has dtype {alibi_slopes.dtype}; expected float32")
-    check_same_device("alibi_slopes", alibi_slopes, "q", q)
-    B, Hq = q.shape[0], q.shape[1]
-    shape = tuple(alibi_slopes.shape)
-    # ==, not `in`: under torch.compile(dynamic=True) Dynamo evaluated `shape in (...)` as False when the
-    # tuples held symbolic sizes
-    if not (shape == (Hq,) or shape == (B, Hq)):
-        raise ValueError(f"alibi_slopes must have shape [{Hq}] or [{B}, {Hq}] (q's [Hq] or [B, Hq]), got "
-                         f"{list(alibi_slopes.shape)}")
-    if alibi_slopes.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError("tilefuse.attention: alibi_slopes get no gradient; pass them detached")
-    return softcap, alibi_slopes.expand(B, Hq)
 
 
 def _broadcast_shape(*shapes) -> tuple | None:
@@ -477,23 +457,6 @@ def sdpa_heads_last(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 # ---- FlashAttention 2's API ------------------------------------------------------------------------
-def _fa_check(dropout_p, window_size, softcap):
-    """FlashAttention's shared arguments checked; returns the window as tilefuse takes it (None: unbounded)."""
-    if dropout_p != 0.0:
-        raise NotImplementedError("tilefuse's flash_attn functions have no dropout; use dropout_p=0.0")
-    if isinstance(window_size, torch.Tensor):  # FlashAttention's own tests pass a tensor of two ints
-        if window_size.shape != (2,) or window_size.is_floating_point() or window_size.is_complex() \
-                or window_size.dtype == torch.bool:
-            raise ValueError(f"window_size as a tensor must hold two ints (left, right), got {window_size!r}")
-        window_size = tuple(int(w) for w in window_size.tolist())
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise ValueError(f"window_size must be (left, right) ints, -1 for unbounded, got {window_size!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
-        raise ValueError(f"softcap must be a number >= 0 (0: none), got {softcap!r}")
-    return None if tuple(window_size) == (-1, -1) else tuple(window_size)
-
-
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     softmax_scale: float | None = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -506,7 +469,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     directly), or with ``return_attn_probs`` ``(out, softmax_lse [B, Hq, Nq], None)``. Forward and backward
     (dq, dk, dv in the inputs' layouts where those are dense, so contiguous inputs get contiguous
     gradients); dropout raises ``NotImplementedError``."""
-    window = _fa_check(dropout_p, window_size, softcap)
+    window = flash_attn_window(dropout_p, window_size, softcap)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
         if t.dim() != 4:
@@ -545,28 +508,6 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
 
 
 # ---- packed variable-length sequences --------------------------------------------------------------
-def _check_offsets(name, cu, total, max_seqlen, validate):
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} has dtype {cu.dtype}; expected int32 or int64")
-    if cu.dim() != 1 or cu.shape[0] < 1:
-        raise ValueError(f"{name} must be 1-D [B + 1], got shape {tuple(cu.shape)}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"the max_seqlen for {name} must be an int >= 0, got {max_seqlen!r}")
-    if validate:  # one host synchronisation; validate=False skips it (CUDA graphs, torch.compile)
-        values = cu.tolist()
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {values[0]}")
-        if values[-1] != total:
-            raise ValueError(f"{name} must end at the total length {total}, got {values[-1]}")
-        lengths = [b - a for a, b in zip(values, values[1:])]
-        if any(n < 0 for n in lengths):
-            raise ValueError(f"{name} must be non-decreasing, got {values}")
-        if lengths and max(lengths) > max_seqlen:
-            raise ValueError(f"{name} has a sequence of length {max(lengths)} above its max_seqlen {max_seqlen}")
-
-
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                      window: tuple[int, int] | None = None, scale: float | None = None, softcap: float | None = None,
@@ -591,8 +532,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Hq, Hkv = q.shape[1], k.shape[1]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv})")
-    _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, validate)
-    _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, validate)
+    check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, validate)
+    check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, validate)
     check_same_device("cu_seqlens_q", cu_seqlens_q, "q", q)
     check_same_device("cu_seqlens_k", cu_seqlens_k, "q", q)
     seqs = cu_seqlens_q.shape[0] - 1
@@ -605,7 +546,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                                or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
         raise ValueError(f"window must be None or (left, right) with ints >= -1, got {window!r}")
     _check_scale(scale)
-    softcap, alibi = _check_modifiers(q.new_empty((seqs, Hq, 0, 0)), softcap, alibi_slopes)
+    softcap, alibi = score_modifiers(q.new_empty((seqs, Hq, 0, 0)), softcap, alibi_slopes)
     left, right = tuple(window) if window is not None else (-1, -1)
     if causal:
         right = 0
@@ -626,12 +567,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
     """``flash_attn.flash_attn_varlen_func`` on :func:`attention_varlen` (offsets validated: one host
-    synchronisation). With ``return_attn_probs``: ``(out, softmax_lse [Hq, total_q], None)``. ``block_table``
-    (paged keys and values) is not supported yet: anything but None raises NotImplementedError."""
+    synchronisation). With ``return_attn_probs``: ``(out, softmax_lse [Hq, total_q], None)``. With
+    ``block_table`` (int32 ``[B, max_blocks]``), k and v are a paged cache ``[num_blocks, page_size, Hkv, d]``
+    and sequence b's cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys sit in the pages of block_table[b]
+    (forward only: :func:`tilefuse.ops.paged.flash_attn_varlen_paged`)."""
+    window = flash_attn_window(dropout_p, window_size, softcap)
     if block_table is not None:
-        raise NotImplementedError("tilefuse.flash_attn_varlen_func: block_table (a paged KV cache) is not supported; "
-                                  "pass packed k and v with block_table=None")
-    window = _fa_check(dropout_p, window_size, softcap)
+        out, lse = paged_ops.flash_attn_varlen_paged(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
+            window, softcap or None, alibi_slopes, return_lse=True)
+        return (out, lse, None) if return_attn_probs else out
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 window=window, scale=softmax_scale, softcap=softcap or None,
                                 alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True)
