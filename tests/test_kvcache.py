@@ -317,3 +317,47 @@ def test_varlen_block_table_bad_input(device):
                                         block_table=torch.tensor([[0, 1], [5, 0]], dtype=torch.int32, device=device))
     with pytest.raises(NotImplementedError, match="dropout"):
         tilefuse.flash_attn_varlen_func(q, pages, pages, cu, cu, 3, 3, dropout_p=0.1, block_table=table)
+
+
+def _decode_step(q, k_cache, v_cache, k, v, lens, table):
+    """One decode step as a server runs it: append the new token's keys and values, attend, advance lengths."""
+    out = tilefuse.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table,
+                                           causal=True, num_splits=2)
+    return out
+
+
+def _step_inputs(device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[0]
+    dense = _r(2, CAP, 2, D, gen=gen, device=device, dtype=dtype)
+    values = _r(2, CAP, 2, D, gen=gen, device=device, dtype=dtype)
+    k_pages, v_pages, table = _paged_copy(dense, 8, gen, values=values)
+    q = _r(2, 1, 4, D, gen=gen, device=device, dtype=dtype)
+    k, v = (_r(2, 1, 2, D, gen=gen, device=device, dtype=dtype) for _ in range(2))
+    return q, k_pages, v_pages, k, v, torch.tensor([CAP - 5, 9], dtype=torch.int32, device=device), table
+
+
+def test_kvcache_under_torch_compile_fullgraph(device):
+    backend = "inductor" if ON_GPU else "aot_eager"
+    eager_in = _step_inputs(device, 6)
+    compiled_in = [t.clone() for t in eager_in]
+    want = _decode_step(*eager_in)
+    got = torch.compile(_decode_step, fullgraph=True, backend=backend)(*compiled_in)
+    assert_close(got, want.double(), REL_L2_BOUND[DTYPES[0]], "compiled")
+    assert torch.equal(compiled_in[1], eager_in[1]) and torch.equal(compiled_in[2], eager_in[2])  # the append
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_kvcache_decode_step_in_a_cuda_graph_replays_on_new_inputs(device):
+    static = _step_inputs(device, 7)
+    for _ in range(2):
+        _decode_step(*[t.clone() for t in static])  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _decode_step(*static)
+    fresh = _step_inputs(device, 8)
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    graph.replay()
+    want = _decode_step(*[t.clone() for t in fresh])
+    assert_close(out, want.double(), REL_L2_BOUND[DTYPES[0]], "graph replay")
