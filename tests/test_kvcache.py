@@ -361,3 +361,22 @@ def test_kvcache_decode_step_in_a_cuda_graph_replays_on_new_inputs(device):
     graph.replay()
     want = _decode_step(*[t.clone() for t in fresh])
     assert_close(out, want.double(), REL_L2_BOUND[DTYPES[0]], "graph replay")
+
+
+def test_append_split_over_head_blocks_writes_every_head(device, monkeypatch):
+    """The append kernel spreads a token's KV heads over programs (APPEND_TILE elements each): with one head
+    per program and three heads, every head still lands in its page row, and nothing else changes."""
+    from tilefuse.kernels.paged import launch
+    monkeypatch.setattr(launch, "APPEND_TILE", 1)
+    gen = torch.Generator().manual_seed(9)
+    dense = _r(2, CAP, 3, D, gen=gen, device=device, dtype=torch.float32)
+    pages, values, table = _paged_copy(dense, 6, gen, values=dense.clone())
+    before = pages.clone()
+    k = _r(2, 2, 3, D, gen=gen, device=device, dtype=torch.float32)
+    lens = torch.tensor([4, CAP - 2], dtype=torch.int32, device=device)
+    q = _r(2, 2, 3, D, gen=gen, device=device, dtype=torch.float32)
+    tilefuse.flash_attn_with_kvcache(q, pages, values, k, k.clone(), cache_seqlens=lens, block_table=table)
+    for b in range(2):
+        n0 = int(lens[b])
+        got = ref_paged.gather(pages, table[b], n0 + 2)
+        assert torch.equal(got[n0:], k[b]) and torch.equal(got[:n0], ref_paged.gather(before, table[b], n0))

@@ -5,8 +5,8 @@ page ids, key position n of table row r in page ``block_table[r, n // page_size]
 dense (``[cache_batch, capacity, Hkv, d]``, position n of cache row r at ``[r, n]``): ``PAGED`` picks one, and
 everything else is shared. Any page size works (positions are gathered per element, not per page).
 
-- ``kv_append_kernel``: one program per (sequence, new token) writes that token's keys (rotated, if a rotary
-  table is given) and values for every KV head into the cache. Bytes: 2 * S*T*Hkv*d*s read and written.
+- ``kv_append_kernel``: one program per (sequence, new token, block of KV heads) writes that token's keys
+  (rotated, if a rotary table is given) and values of those heads into the cache. Bytes: 2 * S*T*Hkv*d*s read and written.
 - ``kv_attention_kernel``: flash-decoding. One program per (sequence, block of query rows, KV head, split)
   holds the query rows of all G = Hq / Hkv query heads of that KV head as the rows of one tile (rows ordered
   token-major: row r is token r // G, head r % G), so each key and value tile is read once per KV head, not
@@ -72,9 +72,10 @@ def kv_append_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Token t of sequence s goes to position old_lens[s] + t of cache row slots[s] (s without slots); a
-    position past the row's capacity is not written."""
+    position past the row's capacity is not written. Axis 2 splits the KV heads in blocks of BLOCK_H."""
     s = tl.program_id(0)
     t = tl.program_id(1)
+    h0 = tl.program_id(2) * BLOCK_H
     if HAS_SLOTS:
         slot = tl.load(slots_ptr + s)
     else:
@@ -90,7 +91,7 @@ def kv_append_kernel(
     else:
         base = slot
         row = pos_c.to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < HKV
     d_ok = offs_d < HEAD_DIM

@@ -19,6 +19,9 @@ PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
 MAX_BLOCK_M = 64  # query rows (tokens x heads of one KV head) per program
 UNBOUNDED = 1 << 30  # a window side past every key
+# Elements of k per append program (and as many of v): a decode step's few tokens spread over enough programs
+# to keep loads in flight on every SM.
+APPEND_TILE = 1024
 
 
 def _geometry(cache: torch.Tensor, block_table):
@@ -37,14 +40,16 @@ def append(k, v, k_cache, v_cache, block_table, slots, old_lens, rotary, path: s
     cos, sin, interleaved = rotary if rotary is not None else (k, k, False)
     rot_len, rot_half = (cos.shape[0], cos.shape[1]) if rotary is not None else (1, 0)
     table = block_table if block_table is not None else old_lens
-    kv_append_kernel[(S, T)](
+    block_d = next_pow2(d)
+    block_h = min(next_pow2(hkv), max(1, APPEND_TILE // block_d))
+    kv_append_kernel[(S, T, cdiv(hkv, block_h))](
         k, v, k_cache, v_cache, table, slots if slots is not None else old_lens, old_lens, cos, sin,
         hkv, d, page, rows, capacity, cols, pages, rot_len, rot_half,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         *(block_table.stride() if block_table is not None else (0, 0)), cos.stride(0), sin.stride(0),
         PAGED=block_table is not None, HAS_SLOTS=slots is not None, ROTARY=rotary is not None,
-        INTERLEAVED=bool(interleaved), BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d),
-        num_warps=4 if hkv * d >= 2048 else 1)
+        INTERLEAVED=bool(interleaved), BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=max(1, min(4, block_h * block_d // 256)))
     launches.record("kv_append", path, "paged" if block_table is not None else "dense",
                     lambda: f"{S}x{T} tokens, {hkv} kv heads, rotary={rotary is not None}")
 
