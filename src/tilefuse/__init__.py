@@ -16,6 +16,7 @@ from tilefuse.ops.qkv import qkv_projection
 from tilefuse.ops.paged import PagedKVCache, flash_attn_with_kvcache, paged_attention
 from tilefuse import nn
 from tilefuse import distributed
+from tilefuse import masks
 from tilefuse.patching import PatchReport, patch, unpatch
 from tilefuse.runtime import use_backend
 
@@ -24,4 +25,4 @@ __version__ = "0.1.0"
 
 __all__ = ["linear", "attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "layer_norm", "rms_norm", "layer_norm_linear",
-           "softmax", "linear_cross_entropy", "qkv_projection", "PagedKVCache", "paged_attention", "nn", "distributed", "patch", "unpatch", "PatchReport", "use_backend", "__version__"]
+           "softmax", "linear_cross_entropy", "qkv_projection", "PagedKVCache", "paged_attention", "nn", "distributed", "masks", "patch", "unpatch", "PatchReport", "use_backend", "__version__"]

@@ -19,6 +19,7 @@ from tilefuse.ops import _dispatch, _dtensor
 from tilefuse.ops import paged as paged_ops
 from tilefuse.ops._checks import (check_offsets, check_same_device, check_same_dtype, check_tensor,
                                   flash_attn_window, grad_needed, score_modifiers)
+from tilefuse.masks import BlockMask
 from tilefuse.reference import attention as ref_attention
 
 MAX_HEAD_DIM = 256
@@ -293,10 +294,202 @@ def _user_lse(lse, alibi, n_k, pos_offset, cu_seqlens_q=None, cu_seqlens_k=None)
 _dispatch.register_autocast(_attention_op, (0, 1, 2, 3))  # q, k, v and a float mask: as torch's SDPA
 
 
+# ---- block-sparse attention (a tilefuse.masks.BlockMask) -------------------------------------------
+# Its own op pair, the BlockMask's tensors passed as op arguments (so torch.compile traces them as inputs; one
+# argument each in the forward, whose autograd wants a None per argument), its tile sizes as ints. Positions are
+# top-left aligned; no score modifiers.
+N_MASK_TENSORS = len(BlockMask.TENSORS)
+
+
+def _block_sparse_impl(q, k, v, *args):
+    """(out, lse) for q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], then the BlockMask's 11 tensors (``BlockMask.TENSORS``,
+    checked against q and k), block_q, block_k, scale and return_lse; lse is an empty tensor without
+    ``return_lse``."""
+    mask_tensors, (block_q, block_k, scale, return_lse) = args[:N_MASK_TENSORS], args[N_MASK_TENSORS:]
+    path = runtime.execution_path(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.numel() == 0:
+        _dispatch.record_reference("block_sparse_attention", path)
+        return _empty_outputs(q, return_lse)
+    if path == runtime.REFERENCE:
+        _dispatch.record_reference("block_sparse_attention", path)
+        mask = _dense_block_mask(mask_tensors, q.shape[2], k.shape[2], block_q, block_k)
+        out, lse = ref_attention.attend(q, k, v, mask, scale, 0, -1, -1)
+        return out.to(q.dtype).contiguous(), (lse.float() if return_lse else _empty_outputs(q, False)[1])
+    runtime.check_triton()
+    from tilefuse.kernels.attention import launch
+    with _dispatch.on_device(q):
+        return launch.block_sparse_forward(q, k, v, list(mask_tensors), block_q, block_k, scale, return_lse, path)
+
+
+def _dense_block_mask(mask_tensors, n_q, n_k, block_q, block_k):
+    """The [Bm, Hm, Nq, Nk] bool mask of a BlockMask's tensors (the plain-PyTorch path)."""
+    tensors = dict(zip(BlockMask.TENSORS, mask_tensors))
+    return BlockMask(tensors, n_q, n_k, block_q, block_k, mask_tensors[10].shape[0]).to_dense()
+
+
+@torch.library.custom_op("tilefuse::block_sparse_attention", mutates_args=())
+def _block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks: torch.Tensor,
+                     kv_indices: torch.Tensor, kv_slots: torch.Tensor, full_kv_num_blocks: torch.Tensor,
+                     full_kv_indices: torch.Tensor, q_num_blocks: torch.Tensor, q_indices: torch.Tensor,
+                     q_slots: torch.Tensor, full_q_num_blocks: torch.Tensor, full_q_indices: torch.Tensor,
+                     partial_bits: torch.Tensor, block_q: int, block_k: int, scale: Optional[float],
+                     return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward behind tilefuse.attention(block_mask=...) (arguments as ``_block_sparse_impl``)."""
+    return _block_sparse_impl(q, k, v, kv_num_blocks, kv_indices, kv_slots, full_kv_num_blocks, full_kv_indices,
+                              q_num_blocks, q_indices, q_slots, full_q_num_blocks, full_q_indices, partial_bits,
+                              block_q, block_k, scale, return_lse)
+
+
+@_block_sparse_op.register_fake
+def _(q, k, v, *args):
+    return _empty_outputs(q, args[-1])
+
+
+def _block_sparse_backward_impl(dout, q, k, v, out, lse, dlse, mask_tensors, block_q, block_k, scale):
+    path = runtime.execution_path(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if path == runtime.REFERENCE or q.numel() == 0:
+        _dispatch.record_reference("block_sparse_attention_backward", path)
+        mask = _dense_block_mask(mask_tensors, q.shape[2], k.shape[2], block_q, block_k) if q.numel() else None
+        grads = ref_attention.attend_backward(dout, q, k, v, out, lse, dlse, mask, scale, 0, -1, -1)
+        return tuple(g.contiguous() for g in grads)
+    runtime.check_triton()
+    from tilefuse.kernels.attention import launch
+    with _dispatch.on_device(q):
+        return launch.block_sparse_backward(dout, q, k, v, out, lse, dlse, list(mask_tensors), block_q, block_k,
+                                            scale, path)
+
+
+@torch.library.custom_op("tilefuse::block_sparse_attention_backward", mutates_args=())
+def _block_sparse_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                              mask_tensors: list[torch.Tensor], block_q: int, block_k: int,
+                              scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _block_sparse_backward_impl(dout, q, k, v, out, lse, dlse, mask_tensors, block_q, block_k, scale)
+
+
+@_block_sparse_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, mask_tensors, block_q, block_k, scale):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))  # contiguous
+
+
+def _setup_block_sparse(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    mask_tensors = inputs[3:3 + N_MASK_TENSORS]
+    block_q, block_k, scale, return_lse = inputs[3 + N_MASK_TENSORS:]
+    out, lse = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, out, lse, *mask_tensors)
+    ctx.args = (block_q, block_k, scale)
+    ctx.has_lse = return_lse
+
+
+def _block_sparse_backward(ctx, dout, dlse):
+    q, k, v, out, lse, *mask_tensors = ctx.saved_tensors
+    if not ctx.has_lse:
+        raise RuntimeError("tilefuse.attention: the backward needs the forward's log-sum-exp, which this call "
+                           "did not keep (it ran without grad)")
+    if dout is None and dlse is None:
+        return (None,) * (3 + N_MASK_TENSORS + 4)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dlse is not None:  # the kernels read it in the lse's layout; autograd's may be expanded
+        dlse = dlse.contiguous()
+    args = (dout, q, k, v, out, lse, dlse, list(mask_tensors), *ctx.args)
+    if _dispatch.direct(dout, q, k, v, out, lse, dlse, *mask_tensors):
+        dq, dk, dv = _block_sparse_backward_impl(*args)
+    else:
+        dq, dk, dv = _block_sparse_backward_op(*args)
+    needs = ctx.needs_input_grad
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * (
+        N_MASK_TENSORS + 4)
+
+
+_block_sparse_call = _dispatch.register_autograd(_block_sparse_op, _block_sparse_impl, _block_sparse_backward,
+                                                 _setup_block_sparse)
+_dispatch.register_autocast(_block_sparse_op, (0, 1, 2))
+
+
+def _check_block_mask(block_mask, q, k):
+    """A BlockMask built for q [B, Hq, Nq, d] and k [B, Hkv, Nk, d], on their device, or a clear error."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a tilefuse.masks.BlockMask (spec.build(...)), got "
+                        f"{type(block_mask).__name__}")
+    B, Hq, Nq = q.shape[0], q.shape[1], q.shape[2]
+    Nk = k.shape[2]
+    if (block_mask.seq_q, block_mask.seq_k) != (Nq, Nk):
+        raise ValueError(f"block_mask was built for Nq={block_mask.seq_q}, Nk={block_mask.seq_k} but q has Nq={Nq} "
+                         f"and k has Nk={Nk}; build it for these lengths")
+    if block_mask.batch not in (1, B) or block_mask.heads not in (1, Hq):
+        raise ValueError(f"block_mask was built for batch {block_mask.batch} and {block_mask.heads} heads; q has "
+                         f"batch {B} and {Hq} query heads (a mask's batch and heads must be 1 or q's)")
+    if block_mask.device != q.device:
+        raise ValueError(f"block_mask is on {block_mask.device} but q is on {q.device}; build it on q's device")
+    tensors = block_mask.tensors()
+    Tq, Tk = -(-Nq // block_mask.block_q), -(-Nk // block_mask.block_k)
+    lead = (block_mask.batch, block_mask.heads)
+    want = [lead + (Tq,), lead + (Tq, Tk), lead + (Tq, Tk), lead + (Tq,), lead + (Tq, Tk),
+            lead + (Tk,), lead + (Tk, Tq), lead + (Tk, Tq), lead + (Tk,), lead + (Tk, Tq)]
+    for name, t, shape in zip(BlockMask.TENSORS, tensors, want):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != q.device:
+            raise ValueError(f"block_mask.{name} must be a contiguous int32 {list(shape)} tensor on {q.device} "
+                             f"(block tiles {block_mask.block_q}x{block_mask.block_k}); got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}: rebuild the mask for these shapes")
+    bits = tensors[10]
+    words = -(-block_mask.block_k // 32)
+    if (bits.dtype != torch.int32 or bits.dim() != 3 or bits.shape[0] < 1
+            or tuple(bits.shape[1:]) != (block_mask.block_q, words) or not bits.is_contiguous()
+            or bits.device != q.device):
+        raise ValueError(f"block_mask.partial_bits must be a contiguous int32 [P >= 1, {block_mask.block_q}, {words}] "
+                         f"tensor on {q.device}, got {bits.dtype} {list(bits.shape)}")
+    return tensors
+
+
+def _block_sparse_attention(q, k, v, block_mask, causal, window, scale, return_lse, deterministic, softcap,
+                            alibi_slopes):
+    """:func:`attention` with a ``block_mask``."""
+    if causal or window is not None:
+        raise ValueError("block_mask carries the whole mask: pass causal=False and window=None, and combine "
+                         "tilefuse.masks.causal() / sliding_window() into the mask's spec instead (block masks are "
+                         "top-left aligned: query row i is position i)")
+    if softcap is not None or alibi_slopes is not None:
+        raise NotImplementedError("tilefuse.attention: softcap and alibi_slopes are not supported with block_mask")
+    if _dtensor.any_dtensor(q, k, v):
+        raise NotImplementedError("tilefuse.attention: block_mask with DTensor inputs is not supported")
+    cast = _dispatch.autocast_dtype(q) if isinstance(q, torch.Tensor) else None
+    if cast is not None:  # as torch's SDPA under autocast
+        q, k, v = _dispatch.cast_floats(cast, q, k, v)
+    _check_qkv_common(q, k, v, ndim=4)
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}; they must match")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    if k.shape[2] == 0:
+        raise ValueError("k must hold at least one key position with block_mask")
+    _check_scale(scale)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    tensors = _check_block_mask(block_mask, q, k)
+    scale = None if scale is None else float(scale)
+    args = (q, k, v, *tensors, block_mask.block_q, block_mask.block_k, scale)
+    if grad_needed(q, k, v):
+        _check_trainable("attention", q, q.shape[0] * q.shape[1])
+        out, lse = _block_sparse_call(*args, True)
+    elif _dispatch.direct(q, k, v, *tensors):
+        out, lse = _block_sparse_impl(*args, return_lse)
+    else:
+        out, lse = _block_sparse_call(*args, return_lse)
+    return (out, lse) if return_lse else out
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               window: tuple[int, int] | None = None, scale: float | None = None,
               return_lse: bool = False, deterministic: bool = False, softcap: float | None = None,
-              alibi_slopes: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              alibi_slopes: torch.Tensor | None = None,
+              block_mask: BlockMask | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward: ``softmax(q k^T * scale) v`` without materialising the scores.
 
     q: ``[B, Hq, Nq, d]``; k, v: ``[B, Hkv, Nk, d]`` with ``Hq % Hkv == 0`` (query head h reads KV
@@ -314,7 +507,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``alibi_slopes``: fp32 ``[Hq]`` or ``[B, Hq]``, adds ``-slope * |p - j|`` (p the query's bottom-right
     aligned position, FlashAttention's convention) after the cap; both compose with causal, windows and
     GQA, forward and backward (the slopes get no gradient). Registered as ``torch.ops.tilefuse.attention``.
+    ``block_mask``: a :class:`tilefuse.masks.BlockMask` built for these shapes (``spec.build(B, Hq, Nq, Nk,
+    device)``): block-sparse attention, forward and backward, skipping the tiles it leaves empty. Its positions
+    are top-left aligned (query row i is position i); it carries the whole mask, so ``causal`` and ``window``
+    must stay unset (combine ``masks.causal()`` / ``masks.sliding_window()`` into the spec instead), and
+    ``softcap`` / ``alibi_slopes`` are not supported with it. Registered as
+    ``torch.ops.tilefuse.block_sparse_attention``.
     """
+    if block_mask is not None:
+        return _block_sparse_attention(q, k, v, block_mask, causal, window, scale, return_lse, deterministic,
+                                       softcap, alibi_slopes)
     if _dtensor.any_dtensor(q, k, v, alibi_slopes):  # heads sharded by tensor parallelism: the local heads
         return _dtensor.heads(q, k, v, (alibi_slopes,), lambda q, k, v, a: _attention(
             q, k, v, causal, window, scale, return_lse, deterministic, softcap, a))

@@ -5,6 +5,9 @@
   for sm_90, fp16/bf16, the forward kernel's head dims, no mask, soft-cap, ALiBi, left window or packed
   sequences, TMA-able tensors: ws_backward.py's at d <= 128, ws_backward_wide.py's dK/dV pass and ws_backward's
   dQ pass in 256-wide tiles at d 160/192/256; the portable passes (backward.py) everything else.
+- Block-sparse attention (block_sparse.py, a tilefuse.masks.BlockMask): its forward, and its dQ and dK/dV passes
+  after the portable row-dot, in the portable kernels' tiles cut to the mask's (``block_sparse_forward``,
+  ``block_sparse_backward``).
 - The vendor candidates, forward and backward: SDPA's cuDNN and flash kernels (torch's CPU flash kernel off CUDA)
   where their semantics are the call's (``sdpa_candidates``), chosen against tilefuse's by measurement per shape
   bucket (FORWARD_CHOICE, BACKWARD_CHOICE; ``tuning.choices``).
@@ -692,3 +695,124 @@ def _backward_sdpa(backend, dout, q, k, v, out, lse, scale, causal, path):
     dq, dk, dv = (_like(g, t.stride(), lambda t=t: torch.empty_like(t)) for g, t in zip(grads, (q, k, v)))
     launches.record("attention_backward", path, backend, what)
     return dq, dk, dv, torch.empty((0,), dtype=torch.float32, device=q.device)
+
+
+# ---- block-sparse attention (block_sparse.py) ---------------------------------------------------------
+# The forward, then the backward's three passes (the portable row-dot, then dQ and dK/dV over the mask's lists),
+# for the BlockMask's tensors in tilefuse.masks.BlockMask.TENSORS order. Kernel tiles are the portable kernels'
+# (heuristic_config, backward_config) cut to the mask's tiles: both powers of two, so they divide them.
+_BLOCK_SPARSE_FORWARD = fastpath.Plans("block_sparse_attention")
+_BLOCK_SPARSE_BACKWARD = fastpath.Plans("block_sparse_attention_backward")
+
+
+def _mask_args(mask_tensors) -> tuple:
+    """(row strides of batch and head into the mask's [Bm, Hm, ...] lists (0 where they broadcast), query tiles,
+    key tiles, bitmap slots)."""
+    kv_num, q_num, bits = mask_tensors[0], mask_tensors[5], mask_tensors[10]
+    Bm, Hm = kv_num.shape[0], kv_num.shape[1]
+    return (Hm if Bm > 1 else 0, 1 if Hm > 1 else 0, kv_num.shape[2], q_num.shape[2], bits.shape[0])
+
+
+def block_sparse_forward_config(block_d: int, elem_bytes: int, precision: str, interpret: bool, block_q: int,
+                                block_k: int) -> dict:
+    """The forward's tile: the portable kernel's heuristic (or the interpreter's 64 x 64), cut to the mask's."""
+    if interpret:
+        cfg = dict(BLOCK_M=INTERPRETER_CONFIG["BLOCK_M"], BLOCK_N=INTERPRETER_CONFIG["BLOCK_N"], num_warps=4,
+                   num_stages=1)
+    else:
+        c = heuristic_config(block_d, elem_bytes, precision)
+        cfg = dict(**c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+    return dict(cfg, BLOCK_M=min(cfg["BLOCK_M"], block_q), BLOCK_N=min(cfg["BLOCK_N"], block_k))
+
+
+def block_sparse_forward(q, k, v, mask_tensors, block_q: int, block_k: int, scale: float, return_lse: bool, path,
+                         use_desc=None):
+    """(out [B, Hq, Nq, d] contiguous, lse fp32 [B, Hq, Nq] or empty) for q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d]
+    (any strides, Nq, Nk >= 1) and a BlockMask's tensors (checked against these shapes by tilefuse.ops).
+    ``use_desc``: force the TMA-descriptor loads on or off (default: on for sm_90 where the tensors allow)."""
+    precision = precision_for(q.dtype, q.is_cuda)
+    return _BLOCK_SPARSE_FORWARD.run(
+        (q, k, v, *mask_tensors), (block_q, block_k, scale, return_lse, use_desc, precision),
+        lambda: _block_sparse_forward(q, k, v, mask_tensors, block_q, block_k, scale, return_lse, path, use_desc,
+                                      precision))
+
+
+def _block_sparse_forward(q, k, v, mask_tensors, block_q, block_k, scale, return_lse, path, use_desc, precision):
+    from tilefuse.kernels.attention.block_sparse import block_sparse_fwd_kernel
+
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    interpret = path == runtime.INTERPRETER
+    block_d = max(16, next_pow2(d))
+    out = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    if use_desc is None:
+        use_desc = (not interpret and q.is_cuda and runtime.device_facts(q.device)[0] >= 9
+                    and descriptors_usable(q, k, v))
+    if use_desc:
+        ensure_descriptor_allocator()
+    cfg = block_sparse_forward_config(block_d, q.element_size(), precision, interpret, block_q, block_k)
+    heads = B * Hq
+    grid = _grid(Nq, cfg["BLOCK_M"], heads)
+    fastpath.launch(block_sparse_fwd_kernel, grid, (
+        q, k, v, out, lse if return_lse else out, *mask_tensors[:5], mask_tensors[10],
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        B, Hq, Hkv, Nq, Nk, d, Hq // Hkv, *_mask_args(mask_tensors), scale * LOG2E),
+        dict(STORE_LSE=return_lse, USE_DESC=use_desc, INPUT_PRECISION=precision,
+             UPCAST_DOT=interpret and q.dtype == torch.bfloat16, MASK_BQ=block_q, MASK_BK=block_k,
+             BLOCK_D=block_d, FLAT_GRID=heads > MAX_GRID_Y, **cfg))
+    launches.record("block_sparse_attention", path, "block_sparse",
+                    lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} "
+                            f"mask {block_q}x{block_k}" + (" desc" if use_desc else ""))
+    return out, lse
+
+
+def block_sparse_backward(dout, q, k, v, out, lse, dlse, mask_tensors, block_q: int, block_k: int, scale: float,
+                          path):
+    """(dq, dk, dv), contiguous in q's / k's / v's shapes, from dout (any strides), the forward's q, k, v, out and
+    lse (fp32 [B, Hq, Nq]), dlse (the lse output's gradient, lse's layout) or None, and the BlockMask's tensors.
+    No atomics: bit-identical run to run."""
+    precision = precision_for(q.dtype, q.is_cuda)
+    return _BLOCK_SPARSE_BACKWARD.run(
+        (dout, q, k, v, out, lse, dlse, *mask_tensors), (block_q, block_k, scale, precision),
+        lambda: _block_sparse_backward(dout, q, k, v, out, lse, dlse, mask_tensors, block_q, block_k, scale, path,
+                                       precision))[:3]
+
+
+def _block_sparse_backward(dout, q, k, v, out, lse, dlse, mask_tensors, block_q, block_k, scale, path, precision):
+    """(dq, dk, dv, delta): delta (D = rowsum(dO * O) - dlse), which both passes read, returned beside the
+    gradients so that the fast path's plan allocates it."""
+    from tilefuse.kernels.attention.backward import attention_bwd_rowdot_kernel
+    from tilefuse.kernels.attention.block_sparse import block_sparse_bwd_dkdv_kernel, block_sparse_bwd_dq_kernel
+
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    interpret = path == runtime.INTERPRETER
+    block_d = max(16, next_pow2(d))
+    dq = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, Nk, d), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Nk, d), dtype=v.dtype, device=q.device)
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    rows = 64
+    fastpath.launch(attention_bwd_rowdot_kernel, (cdiv(Nq, rows), B * Hq), (
+        out, dout, dlse if dlse is not None else delta, delta, *out.stride(), *dout.stride(), Hq, Nq, d),
+        dict(HAS_DLSE=dlse is not None, BLOCK_M=rows, BLOCK_D=block_d))
+    cfg = backward_config(block_d, q.element_size(), interpret)
+    cfg = dict(cfg, BLOCK_M=min(cfg["BLOCK_M"], block_q), BLOCK_N=min(cfg["BLOCK_N"], block_k))
+    flags = dict(INPUT_PRECISION=precision, UPCAST_DOT=interpret and q.dtype == torch.bfloat16, MASK_BQ=block_q,
+                 MASK_BK=block_k, BLOCK_D=block_d, **cfg)
+    masks = _mask_args(mask_tensors)
+    dkdv_flags = flags
+    if not interpret and q.element_size() == 2 and cfg["BLOCK_M"] == 64:
+        dkdv_flags = dict(flags, num_stages=BACKWARD_DKDV_STAGES)
+    fastpath.launch(block_sparse_bwd_dkdv_kernel, (cdiv(Nk, cfg["BLOCK_N"]), B * Hkv), (
+        q, k, v, dout, lse, delta, dk, dv, *mask_tensors[5:10], mask_tensors[10],
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+        Hq, Hkv, Nq, Nk, d, Hq // Hkv, *masks, scale * LOG2E, scale), dkdv_flags)
+    fastpath.launch(block_sparse_bwd_dq_kernel, (cdiv(Nq, cfg["BLOCK_M"]), B * Hq), (
+        q, k, v, dout, lse, delta, dq, *mask_tensors[:5], mask_tensors[10],
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+        Hq, Nq, Nk, d, Hq // Hkv, *masks, scale * LOG2E, scale), flags)
+    launches.record("block_sparse_attention_backward", path, "block_sparse: rowdot, dk/dv, dq (no atomics)",
+                    lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} mask {block_q}x{block_k}")
+    return dq, dk, dv, delta
