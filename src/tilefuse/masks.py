@@ -411,15 +411,22 @@ class BlockMask:
         cols = torch.arange(Tk, device=dev)
         used = cols < self.full_kv_num_blocks[..., None]
         full = (used * rows.view(1, 1, -1, 1)).sum() * self.block_k  # full tiles are never cut by Nk
-        bits = self.partial_bits[: self.num_partial].long() & 0xFFFFFFFF
-        shifts = torch.arange(32, device=dev)
-        partial = ((bits[..., None] >> shifts) & 1).sum() if self.num_partial else 0
+        partial = _popcount(self.partial_bits[: self.num_partial]).sum() if self.num_partial else 0
         per = int(full + partial)
         return per * (B // self.batch) * (H // self.heads)
 
     def __repr__(self):
         return (f"BlockMask(batch={self.batch}, heads={self.heads}, Nq={self.seq_q}, Nk={self.seq_k}, "
                 f"block={self.block_q}x{self.block_k}, partial tiles={self.num_partial}, spec={self.spec!r})")
+
+
+def _popcount(words: torch.Tensor) -> torch.Tensor:
+    """Set bits of each int32 word (as int64), by the SWAR sums of bit pairs, nibbles and bytes."""
+    x = words.long() & 0xFFFFFFFF
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) & 0xFFFFFFFF) >> 24
 
 
 def _lists(sel: torch.Tensor):

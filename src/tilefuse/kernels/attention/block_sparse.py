@@ -104,8 +104,8 @@ def _attend_listed(acc, l_i, m_i, q, k_src, v_src, b, h_kv, offs_d, mask_d, rows
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["B", "H_Q", "H_KV", "N_Q", "N_K", "HEAD_DIM", "GROUP", "mask_stride_b",
-                               "mask_stride_h", "Q_TILES", "K_TILES", "NUM_SLOTS"])
+@triton.jit(do_not_specialize=["B", "H_Q", "H_KV", "N_Q", "N_K", "GROUP", "mask_stride_b", "mask_stride_h",
+                               "Q_TILES", "K_TILES", "NUM_SLOTS"])
 def block_sparse_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     kv_num_ptr, kv_idx_ptr, kv_slot_ptr, full_num_ptr, full_idx_ptr, bits_ptr,
@@ -113,7 +113,7 @@ def block_sparse_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    B, H_Q, H_KV, N_Q, N_K, HEAD_DIM, GROUP,
+    B, H_Q, H_KV, N_Q, N_K, HEAD_DIM: tl.constexpr, GROUP,  # head dim a constexpr: its mask keeps loads wide
     mask_stride_b, mask_stride_h,  # mask row of (b, h): b * stride_b + h * stride_h (0 where it broadcasts)
     Q_TILES, K_TILES, NUM_SLOTS,    # the mask's tile counts and its bitmaps' count
     qk_scale,                       # scale * log2(e)
