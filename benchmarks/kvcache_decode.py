@@ -16,7 +16,9 @@ Append rows (B 64, Hkv 32, d 128, 1 and 8 new tokens): the ``tilefuse::kv_append
 bytes written and read against the copy ceiling and against a same-size ``copy_`` (the fixed cost of any kernel
 at this size); and ``PagedKVCache.append`` wall time with its host bookkeeping (do_bench).
 
-    PYTHONPATH=src python benchmarks/kvcache_decode.py
+    PYTHONPATH=src python benchmarks/kvcache_decode.py [--sweep]
+
+``--sweep`` times instead the launch's decode constants (programs per SM, keys per tile, stages) on paged-16 rows.
 """
 from __future__ import annotations
 
@@ -180,10 +182,53 @@ def append_row(T, copy_tbps):
     return row
 
 
+SWEEP = [(ppsm, bn, st) for ppsm in (2, 4) for bn in (64, 128) for st in (2, 3, 4)]
+
+
+def sweep_row(B, L, hq, hkv, ragged, read_tbps):
+    """The launch's decode constants (programs per SM, keys per tile, pipeline stages) swept on one paged-16 row:
+    what PROGRAMS_PER_SM, DECODE_BLOCK_N and DECODE_STAGES are set from."""
+    import tilefuse
+    from tilefuse.harness.timing import graph_ms
+    from tilefuse.kernels.paged import launch
+
+    gen = torch.Generator().manual_seed(B * 7 + L)
+    lens = _lengths(B, L, ragged, gen)
+    k = torch.randn(B, L, hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, L, hkv, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, 1, hq, D, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    k_pages, v_pages, table = _paged(k, v, 16, gen)
+    del k, v
+    min_mb = (2 * sum(lens) * hkv * D * 2 + 2 * q.numel() * 2) / 1e6
+    row = {"sweep_B": B, "L": L, "Hq": hq, "Hkv": hkv, "ragged": ragged, "by_ppsm_blockn_stages": {}}
+    saved = launch.PROGRAMS_PER_SM, launch.DECODE_BLOCK_N, launch.DECODE_STAGES
+    try:
+        for ppsm, bn, st in SWEEP:
+            launch.PROGRAMS_PER_SM, launch.DECODE_BLOCK_N, launch.DECODE_STAGES = ppsm, bn, st
+            ms = graph_ms(lambda: tilefuse.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
+                                                                   block_table=table, causal=True, validate=False))
+            row["by_ppsm_blockn_stages"][f"{ppsm}/{bn}/{st}"] = (
+                [round(ms, 5), round(min_mb / 1e6 / (ms * 1e-3) / read_tbps, 3)] if isinstance(ms, float) else ms)
+    finally:
+        launch.PROGRAMS_PER_SM, launch.DECODE_BLOCK_N, launch.DECODE_STAGES = saved
+    return row
+
+
 def main() -> None:
     from tilefuse.harness.timing import measure_ceilings
 
     ceil = measure_ceilings()
+    if "--sweep" in sys.argv:
+        print(json.dumps({"read_TBps": round(ceil["read_TBps"], 3), "device": torch.cuda.get_device_name()}),
+              flush=True)
+        for B, L, hq, hkv, ragged in DECODE:
+            try:
+                print(json.dumps(sweep_row(B, L, hq, hkv, ragged, ceil["read_TBps"])), flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(json.dumps({"sweep_B": B, "L": L, "failed": f"{type(exc).__name__}: {exc}"[:300]}), flush=True)
+            torch.cuda.empty_cache()
+        return
     print(json.dumps({"read_TBps": round(ceil["read_TBps"], 3), "copy_TBps": round(ceil["copy_TBps"], 3),
                       "device": torch.cuda.get_device_name()}), flush=True)
     for B, L, hq, hkv, ragged in DECODE:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from tilefuse.kernels.activations import tanh
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # a constexpr: compiled kernels read no plain globals
 
 
 @triton.jit

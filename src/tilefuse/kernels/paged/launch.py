@@ -18,6 +18,8 @@ MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (its q load, the mer
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
 MAX_BLOCK_M = 64  # query rows (tokens x heads of one KV head) per program
+DECODE_BLOCK_N = 64  # keys per tile (32 above head dim 128)
+DECODE_STAGES = 2  # software pipeline depth of the key loop
 UNBOUNDED = 1 << 30  # a window side past every key
 # Elements of k per append program (and as many of v): a decode step's few tokens spread over enough programs
 # to keep loads in flight on every SM.
@@ -88,7 +90,7 @@ def attention(q, k_cache, v_cache, *, block_table, lens, lens_by_slot: bool, ext
     block_m = min(MAX_BLOCK_M, max(16, next_pow2(T * group)))
     m_blocks = cdiv(T * group, block_m)
     block_d = max(16, next_pow2(d))
-    block_n = 16 if path == runtime.INTERPRETER else (32 if block_d > 128 else 64)
+    block_n = 16 if path == runtime.INTERPRETER else (DECODE_BLOCK_N // 2 if block_d > 128 else DECODE_BLOCK_N)
     if num_splits == 0:
         sms = runtime.device_facts(q.device)[1] if path == runtime.COMPILED else 2
         num_splits = choose_splits(B * m_blocks * hkv, max_keys, sms)
@@ -124,7 +126,7 @@ def attention(q, k_cache, v_cache, *, block_table, lens, lens_by_slot: bool, ext
         HAS_SOFTCAP=bool(softcap), HAS_ALIBI=alibi is not None, ROTARY=rotary is not None,
         INTERLEAVED=bool(interleaved), ROT_Q_SEQUENTIAL=bool(sequential), RETURN_LSE=return_lse,
         NUM_SPLITS=num_splits, INPUT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=warps, num_stages=2)
+        num_warps=warps, num_stages=DECODE_STAGES)
     if num_splits > 1:
         kv_merge_kernel[(B * T * hq,)](
             part_o, part_lse, out, lse, cu_q if varlen else placeholder, T, hq, d, q.shape[0] if varlen else 0,
