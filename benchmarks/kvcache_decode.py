@@ -18,7 +18,8 @@ at this size); and ``PagedKVCache.append`` wall time with its host bookkeeping (
 
     PYTHONPATH=src python benchmarks/kvcache_decode.py [--sweep]
 
-``--sweep`` times instead the launch's decode constants (programs per SM, keys per tile, stages) on paged-16 rows.
+``--sweep`` times instead split counts x the launch's tile constants (keys per tile, stages) on paged-16 rows, with
+what the launch's own rule picks and each compiled kernel's shared memory and registers.
 """
 from __future__ import annotations
 
@@ -182,14 +183,33 @@ def append_row(T, copy_tbps):
     return row
 
 
-SWEEP = [(ppsm, bn, st) for ppsm in (2, 4) for bn in (64, 128) for st in (2, 3, 4)]
+SWEEP_TILES = [(64, 2), (64, 3), (128, 2)]  # (keys per tile, pipeline stages)
+SWEEP_SPLITS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 40, 49, 64)  # 0: the launch's own rule
+
+
+def compiled_resources() -> dict:
+    """Shared memory and registers of each compiled cache attention kernel so far, by its constexprs: what the
+    launch's residency model (resident_programs) assumes, checked."""
+    from tilefuse.kernels.paged.kernels import kv_attention_kernel
+
+    seen = {}
+    try:
+        for cache in kv_attention_kernel.device_caches.values():
+            for compiled in cache[0].values():
+                meta = compiled.metadata
+                key = f"stages{meta.num_stages} warps{meta.num_warps}"
+                seen[key] = {"shared": int(meta.shared), "regs": int(getattr(compiled, "n_regs", -1) or -1)}
+    except Exception as exc:  # noqa: BLE001 -- triton's cache layout is not an API; report what failed
+        seen["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return seen
 
 
 def sweep_row(B, L, hq, hkv, ragged, read_tbps):
-    """The launch's decode constants (programs per SM, keys per tile, pipeline stages) swept on one paged-16 row:
-    what PROGRAMS_PER_SM, DECODE_BLOCK_N and DECODE_STAGES are set from."""
+    """Split counts and the launch's tile constants (keys per tile, stages) swept on one paged-16 row: what
+    choose_splits, resident_programs, DECODE_BLOCK_N and DECODE_STAGES are set from."""
     import tilefuse
     from tilefuse.harness.timing import graph_ms
+    from tilefuse.kernels import launches
     from tilefuse.kernels.paged import launch
 
     gen = torch.Generator().manual_seed(B * 7 + L)
@@ -201,17 +221,24 @@ def sweep_row(B, L, hq, hkv, ragged, read_tbps):
     k_pages, v_pages, table = _paged(k, v, 16, gen)
     del k, v
     min_mb = (2 * sum(lens) * hkv * D * 2 + 2 * q.numel() * 2) / 1e6
-    row = {"sweep_B": B, "L": L, "Hq": hq, "Hkv": hkv, "ragged": ragged, "by_ppsm_blockn_stages": {}}
-    saved = launch.PROGRAMS_PER_SM, launch.DECODE_BLOCK_N, launch.DECODE_STAGES
+    row = {"sweep_B": B, "L": L, "Hq": hq, "Hkv": hkv, "ragged": ragged, "ms_frac_by_blockn_stages_splits": {}}
+    saved = launch.DECODE_BLOCK_N, launch.DECODE_STAGES
     try:
-        for ppsm, bn, st in SWEEP:
-            launch.PROGRAMS_PER_SM, launch.DECODE_BLOCK_N, launch.DECODE_STAGES = ppsm, bn, st
-            ms = graph_ms(lambda: tilefuse.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
-                                                                   block_table=table, causal=True, validate=False))
-            row["by_ppsm_blockn_stages"][f"{ppsm}/{bn}/{st}"] = (
-                [round(ms, 5), round(min_mb / 1e6 / (ms * 1e-3) / read_tbps, 3)] if isinstance(ms, float) else ms)
+        for bn, st in SWEEP_TILES:
+            launch.DECODE_BLOCK_N, launch.DECODE_STAGES = bn, st
+            for splits in SWEEP_SPLITS:
+                ms = graph_ms(lambda: tilefuse.flash_attn_with_kvcache(
+                    q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, causal=True, num_splits=splits,
+                    validate=False))
+                row["ms_frac_by_blockn_stages_splits"][f"{bn}/{st}/{splits or 'auto'}"] = (
+                    [round(ms, 5), round(min_mb / 1e6 / (ms * 1e-3) / read_tbps, 3)] if isinstance(ms, float) else ms)
     finally:
-        launch.PROGRAMS_PER_SM, launch.DECODE_BLOCK_N, launch.DECODE_STAGES = saved
+        launch.DECODE_BLOCK_N, launch.DECODE_STAGES = saved
+    with launches.recording() as records:  # what the launch's own rule picks on this row
+        tilefuse.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, causal=True,
+                                         validate=False)
+    row["auto_launch"] = [r.describe() for r in records if r.op == "kv_attention"]
+    row["compiled"] = compiled_resources()
     return row
 
 

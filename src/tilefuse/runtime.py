@@ -117,6 +117,20 @@ def device_facts(device: torch.device) -> tuple[int, int]:
     return _DEVICE_FACTS[key]
 
 
+_SHARED_MEMORY: dict = {}
+
+
+def shared_memory_per_sm(device: torch.device) -> int:
+    """Bytes of shared memory one SM of a CUDA device holds (what bounds how many programs of a pipelined kernel
+    share it), cached. Drivers torch cannot ask get the Hopper / Ampere figures by compute capability."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SHARED_MEMORY:
+        props = torch.cuda.get_device_properties(key)
+        fallback = {9: 228, 8: 164}.get(props.major, 96) * 1024
+        _SHARED_MEMORY[key] = int(getattr(props, "shared_memory_per_multiprocessor", 0) or fallback)
+    return _SHARED_MEMORY[key]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Versions tilefuse runs on. pyproject.toml states the same bounds for pip.
 

@@ -114,7 +114,7 @@ def kv_attention_kernel(
     q_ptr, k_cache, v_cache, block_table, lens_ptr, slots_ptr, leftpad_ptr, cu_q_ptr, cos_ptr, sin_ptr,
     alibi_ptr, out_ptr, lse_ptr, part_o, part_lse,
     T, G, H_Q, HEAD_DIM, PAGE_SIZE, NUM_ROWS, CAPACITY, PAGES_PER_SEQ, NUM_PAGES, EXTRA_KEYS, M_BLOCKS,
-    qk_scale, softcap_log2, window_left, window_right, ROT_LEN, ROT_HALF, TOTAL_Q,
+    qk_scale, softcap_log2, window_left, window_right, ROT_LEN, ROT_HALF, TOTAL_Q, num_splits,
     stride_qs, stride_qt, stride_qh, stride_qd,
     stride_kp, stride_kt, stride_kh, stride_kd,
     stride_vp, stride_vt, stride_vh, stride_vd,
@@ -125,7 +125,7 @@ def kv_attention_kernel(
     PAGED: tl.constexpr, HAS_LENS: tl.constexpr, LENS_BY_SLOT: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr, VARLEN_Q: tl.constexpr, BANDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_Q_SEQUENTIAL: tl.constexpr,
-    RETURN_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    RETURN_LSE: tl.constexpr, SPLIT_KV: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Arguments: ``lens`` (HAS_LENS; else every row holds CAPACITY keys) plus EXTRA_KEYS is each sequence's
@@ -194,7 +194,7 @@ def kv_attention_kernel(
         hi = tl.minimum(hi, last_pos + window_right + 1)
     lo = tl.minimum(lo, hi)
     lo = (lo // BLOCK_N) * BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(hi, start + per_split)
 
@@ -240,7 +240,7 @@ def kv_attention_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         o_rows = b.to(tl.int64) * stride_os + (q0 + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty),
                  mask=out_mask)
@@ -248,16 +248,16 @@ def kv_attention_kernel(
             l_rows = b.to(tl.int64) * stride_ls + head.to(tl.int64) * stride_lh + (q0 + tok).to(tl.int64) * stride_lt
             tl.store(lse_ptr + l_rows, lse2 * LN2, mask=row_ok)
     else:
-        part = ((b.to(tl.int64) * T + tok) * H_Q + head) * NUM_SPLITS + split
+        part = ((b.to(tl.int64) * T + tok) * H_Q + head) * num_splits + split
         tl.store(part_lse + part, lse2, mask=row_ok)
         tl.store(part_o + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
 
 
 @triton.jit
 def kv_merge_kernel(
-    part_o, part_lse, out_ptr, lse_ptr, cu_q_ptr, T, H_Q, HEAD_DIM, TOTAL_Q,
+    part_o, part_lse, out_ptr, lse_ptr, cu_q_ptr, T, H_Q, HEAD_DIM, TOTAL_Q, num_splits,
     stride_os, stride_ot, stride_oh, stride_od, stride_ls, stride_lh, stride_lt,
-    VARLEN_Q: tl.constexpr, RETURN_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    VARLEN_Q: tl.constexpr, RETURN_LSE: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Combines the splits of one (sequence, token, query head) row by their log-sum-exps."""
@@ -273,14 +273,14 @@ def kv_merge_kernel(
         n_q = T
     if tok < n_q:
         offs_s = tl.arange(0, BLOCK_S)
-        s_ok = offs_s < NUM_SPLITS
-        lse = tl.load(part_lse + r * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+        s_ok = offs_s < num_splits
+        lse = tl.load(part_lse + r * num_splits + offs_s, mask=s_ok, other=float("-inf"))
         m = tl.max(lse, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(lse - m_safe)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
-        o = tl.load(part_o + (r * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        o = tl.load(part_o + (r * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         w_sum = tl.sum(w, 0)
         o = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)

@@ -13,9 +13,11 @@ from tilefuse.sizes import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (its q load, the merge's partials) outweighs its keys
-# Programs per SM the splits aim for: fewer leave too few loads in flight to reach the read ceiling; more only add
-# partials and merge work (the measured split sweep: benchmarks/NOTES.md, paged decode).
-PROGRAMS_PER_SM = 2
+# Splits fill the programs one SM holds at once, on every SM, in a single round: every split of a fixed-length
+# batch reads as many keys, so a second, partial round of programs leaves most SMs idle for a whole program's time
+# (the measured sweep of tile constants and splits: benchmarks/NOTES.md, paged decode).
+MAX_RESIDENT = 4  # decode programs one SM holds past what its shared memory allows (warps, registers)
+SMEM_PER_PROGRAM_SLACK = 2048  # per program beyond the pipelined key and value tiles: the driver's reserve, scratch
 MAX_SPLITS = 64
 MAX_BLOCK_M = 64  # query rows (tokens x heads of one KV head) per program
 DECODE_BLOCK_N = 64  # keys per tile (32 above head dim 128)
@@ -56,10 +58,18 @@ def append(k, v, k_cache, v_cache, block_table, slots, old_lens, rotary, path: s
                     lambda: f"{S}x{T} tokens, {hkv} kv heads, rotary={rotary is not None}")
 
 
-def choose_splits(programs: int, max_keys: int, num_sms: int) -> int:
-    """Splits of the key positions per (sequence, query block, KV head): enough programs to fill the SMs, never
-    a split shorter than MIN_KEYS_PER_SPLIT keys."""
-    want = cdiv(PROGRAMS_PER_SM * num_sms, max(programs, 1))
+def resident_programs(block_n: int, block_d: int, elem_bytes: int, smem_per_sm: int) -> int:
+    """Decode programs one SM holds at once: its shared memory over the key and value tiles each program's
+    DECODE_STAGES-deep pipeline buffers."""
+    per_program = DECODE_STAGES * 2 * block_n * block_d * elem_bytes + SMEM_PER_PROGRAM_SLACK
+    return max(1, min(MAX_RESIDENT, smem_per_sm // per_program))
+
+
+def choose_splits(programs: int, max_keys: int, round_size: int) -> int:
+    """Splits of the key positions per (sequence, query block, KV head): as many as keep ``programs`` x splits
+    within one round of ``round_size`` programs (SMs x resident programs), never a split shorter than
+    MIN_KEYS_PER_SPLIT keys."""
+    want = round_size // max(programs, 1)
     return max(1, min(want, cdiv(max_keys, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
@@ -92,8 +102,13 @@ def attention(q, k_cache, v_cache, *, block_table, lens, lens_by_slot: bool, ext
     block_d = max(16, next_pow2(d))
     block_n = 16 if path == runtime.INTERPRETER else (DECODE_BLOCK_N // 2 if block_d > 128 else DECODE_BLOCK_N)
     if num_splits == 0:
-        sms = runtime.device_facts(q.device)[1] if path == runtime.COMPILED else 2
-        num_splits = choose_splits(B * m_blocks * hkv, max_keys, sms)
+        if path == runtime.COMPILED:
+            smem = runtime.shared_memory_per_sm(q.device)
+            resident = resident_programs(block_n, block_d, k_cache.element_size(), smem)
+            round_size = runtime.device_facts(q.device)[1] * resident
+        else:
+            round_size = 4
+        num_splits = choose_splits(B * m_blocks * hkv, max_keys, round_size)
     num_splits = max(1, min(num_splits, cdiv(max(max_keys, 1), block_n), MAX_SPLITS))
     if num_splits > 1:
         part_o = torch.empty(B * T * hq, num_splits, d, device=q.device, dtype=torch.float32)
@@ -118,6 +133,7 @@ def attention(q, k_cache, v_cache, *, block_table, lens, lens_by_slot: bool, ext
         cu_q if varlen else placeholder, cos, sin, alibi if alibi is not None else q, out, lse, part_o, part_lse,
         T, group, hq, d, page, rows, capacity, cols, pages, extra_keys, m_blocks,
         qk_scale, (softcap or 0.0) * LOG2E, left, right, rot_len, rot_half, q.shape[0] if varlen else 0,
+        num_splits,
         *q_strides, *k_cache.stride(), *v_cache.stride(),
         *(block_table.stride() if block_table is not None else (0, 0)), *o_strides, *lse_strides,
         *(alibi.stride() if alibi is not None else (0, 0)), cos.stride(0), sin.stride(0),
@@ -125,13 +141,14 @@ def attention(q, k_cache, v_cache, *, block_table, lens, lens_by_slot: bool, ext
         HAS_SLOTS=slots is not None, HAS_LEFTPAD=leftpad is not None, VARLEN_Q=varlen, BANDED=banded,
         HAS_SOFTCAP=bool(softcap), HAS_ALIBI=alibi is not None, ROTARY=rotary is not None,
         INTERLEAVED=bool(interleaved), ROT_Q_SEQUENTIAL=bool(sequential), RETURN_LSE=return_lse,
-        NUM_SPLITS=num_splits, INPUT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        SPLIT_KV=num_splits > 1, INPUT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=warps, num_stages=DECODE_STAGES)
     if num_splits > 1:
         kv_merge_kernel[(B * T * hq,)](
             part_o, part_lse, out, lse, cu_q if varlen else placeholder, T, hq, d, q.shape[0] if varlen else 0,
+            num_splits,
             *o_strides, *lse_strides,
-            VARLEN_Q=varlen, RETURN_LSE=return_lse, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
+            VARLEN_Q=varlen, RETURN_LSE=return_lse, BLOCK_S=max(2, next_pow2(num_splits)),
             BLOCK_D=block_d, num_warps=1)
     launches.record("kv_attention", path, "split-kv" if num_splits > 1 else "single",
                     lambda: f"{'paged' if block_table is not None else 'dense'} splits={num_splits} "
