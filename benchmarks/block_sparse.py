@@ -2,8 +2,9 @@
 masks; and the block masks' build times.
 
 Rows (B1 H16 N32768 d128 bf16, forward and forward+backward, triton.testing.do_bench medians):
-- window: causal & sliding_window(1024, 0) (query i sees keys i-1024..i) -- tilefuse block_mask, Flex, and
-  tilefuse.attention(causal=True, window=(1024, 0)) (the windowed dense kernel: same mask, Nq == Nk);
+- window: causal & sliding_window(1024, 0) (query i sees keys i-1024..i) -- tilefuse block_mask (a band: the op
+  runs it on the windowed kernels), the same block mask held on the block-sparse kernels, Flex, and
+  tilefuse.attention(causal=True, window=(1024, 0)) (the windowed kernels called directly);
 - window_global: that | global_tokens(64) -- tilefuse block_mask and Flex;
 - document: 16 packed documents, causal inside each (document(ids) & causal()) -- tilefuse block_mask and Flex.
 TFLOP/s count visible (query, key) pairs only: 4 * d per pair forward, 2.5 times that more for the backward
@@ -78,6 +79,19 @@ def gemm_ceiling_tflops() -> float:
     return 2 * 8192 ** 3 / ms / 1e9
 
 
+def generic_block_sparse(q, k, v, bm):
+    """tilefuse.attention(block_mask=bm) on the block-sparse kernels even where the mask is a band (which the
+    op otherwise runs on the windowed kernels: ops.attention.BAND_MASKS_AS_WINDOWS)."""
+    import tilefuse
+    from tilefuse.ops import attention as ops_attention
+
+    saved, ops_attention.BAND_MASKS_AS_WINDOWS = ops_attention.BAND_MASKS_AS_WINDOWS, False
+    try:
+        return tilefuse.attention(q, k, v, block_mask=bm)
+    finally:
+        ops_attention.BAND_MASKS_AS_WINDOWS = saved
+
+
 def speed_rows(name: str, n: int, flex: bool, backward: bool, ceiling: float) -> None:
     import tilefuse
     from torch.nn.attention.flex_attention import flex_attention
@@ -92,6 +106,7 @@ def speed_rows(name: str, n: int, flex: bool, backward: bool, ceiling: float) ->
     impls = {"tilefuse.block_mask": lambda q, k, v: tilefuse.attention(q, k, v, block_mask=bm)}
     if name == "window":
         impls["tilefuse.window"] = lambda q, k, v: tilefuse.attention(q, k, v, causal=True, window=(WINDOW, 0))
+        impls["tilefuse.block_sparse_kernels"] = lambda q, k, v: generic_block_sparse(q, k, v, bm)
     if flex:
         torch._dynamo.reset()
         fbm = flex_block_mask(spec, n, dev)
@@ -165,6 +180,8 @@ def accuracy_rows(flex: bool) -> None:
             qd, kd, vd = (t.to(dtype) for t in (q, k, v))
             bm = spec.build(1, ACC_H, ACC_N, ACC_N, dev)
             outs[f"tilefuse.block_mask {dtype}"] = tilefuse.attention(qd, kd, vd, block_mask=bm)
+            if spec.band() is not None:
+                outs[f"tilefuse.block_sparse_kernels {dtype}"] = generic_block_sparse(qd, kd, vd, bm)
             if flex:
                 outs[f"flex_attention {dtype}"] = compiled(qd, kd, vd, block_mask=flex_block_mask(spec, ACC_N, dev))
         for impl, out in outs.items():

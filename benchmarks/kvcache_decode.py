@@ -18,7 +18,7 @@ at this size); and ``PagedKVCache.append`` wall time with its host bookkeeping (
 
     PYTHONPATH=src python benchmarks/kvcache_decode.py [--sweep]
 
-``--sweep`` times instead split counts x the launch's tile constants (keys per tile, stages) on paged-16 rows, with
+``--sweep`` times instead split counts x the launch's tile constants (keys per tile, stages, warps) on paged-16 rows, with
 what the launch's own rule picks and each compiled kernel's shared memory and registers.
 """
 from __future__ import annotations
@@ -183,8 +183,8 @@ def append_row(T, copy_tbps):
     return row
 
 
-SWEEP_TILES = [(64, 2), (64, 3), (128, 2)]  # (keys per tile, pipeline stages)
-SWEEP_SPLITS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 40, 49, 64)  # 0: the launch's own rule
+SWEEP_TILES = [(64, 2, 4), (64, 2, 8), (128, 2, 8), (32, 2, 4)]  # (keys per tile, pipeline stages, warps)
+SWEEP_SPLITS = (0, 4, 6, 8, 16, 32, 49, 64)  # 0: the launch's own rule
 
 
 def compiled_resources() -> dict:
@@ -197,7 +197,7 @@ def compiled_resources() -> dict:
         for cache in kv_attention_kernel.device_caches.values():
             for compiled in cache[0].values():
                 meta = compiled.metadata
-                key = f"stages{meta.num_stages} warps{meta.num_warps}"
+                key = f"stages{meta.num_stages} warps{meta.num_warps} shared{int(meta.shared)}"
                 seen[key] = {"shared": int(meta.shared), "regs": int(getattr(compiled, "n_regs", -1) or -1)}
     except Exception as exc:  # noqa: BLE001 -- triton's cache layout is not an API; report what failed
         seen["error"] = f"{type(exc).__name__}: {exc}"[:200]
@@ -205,8 +205,8 @@ def compiled_resources() -> dict:
 
 
 def sweep_row(B, L, hq, hkv, ragged, read_tbps):
-    """Split counts and the launch's tile constants (keys per tile, stages) swept on one paged-16 row: what
-    choose_splits, resident_programs, DECODE_BLOCK_N and DECODE_STAGES are set from."""
+    """Split counts and the launch's tile constants (keys per tile, stages, warps) swept on one paged-16 row: what
+    choose_splits, resident_programs, DECODE_BLOCK_N, DECODE_STAGES and DECODE_WARPS are set from."""
     import tilefuse
     from tilefuse.harness.timing import graph_ms
     from tilefuse.kernels import launches
@@ -221,19 +221,20 @@ def sweep_row(B, L, hq, hkv, ragged, read_tbps):
     k_pages, v_pages, table = _paged(k, v, 16, gen)
     del k, v
     min_mb = (2 * sum(lens) * hkv * D * 2 + 2 * q.numel() * 2) / 1e6
-    row = {"sweep_B": B, "L": L, "Hq": hq, "Hkv": hkv, "ragged": ragged, "ms_frac_by_blockn_stages_splits": {}}
-    saved = launch.DECODE_BLOCK_N, launch.DECODE_STAGES
+    row = {"sweep_B": B, "L": L, "Hq": hq, "Hkv": hkv, "ragged": ragged,
+           "ms_frac_by_blockn_stages_warps_splits": {}}
+    saved = launch.DECODE_BLOCK_N, launch.DECODE_STAGES, launch.DECODE_WARPS
     try:
-        for bn, st in SWEEP_TILES:
-            launch.DECODE_BLOCK_N, launch.DECODE_STAGES = bn, st
+        for bn, st, warps in SWEEP_TILES:
+            launch.DECODE_BLOCK_N, launch.DECODE_STAGES, launch.DECODE_WARPS = bn, st, warps
             for splits in SWEEP_SPLITS:
                 ms = graph_ms(lambda: tilefuse.flash_attn_with_kvcache(
                     q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, causal=True, num_splits=splits,
                     validate=False))
-                row["ms_frac_by_blockn_stages_splits"][f"{bn}/{st}/{splits or 'auto'}"] = (
+                row["ms_frac_by_blockn_stages_warps_splits"][f"{bn}/{st}/{warps}/{splits or 'auto'}"] = (
                     [round(ms, 5), round(min_mb / 1e6 / (ms * 1e-3) / read_tbps, 3)] if isinstance(ms, float) else ms)
     finally:
-        launch.DECODE_BLOCK_N, launch.DECODE_STAGES = saved
+        launch.DECODE_BLOCK_N, launch.DECODE_STAGES, launch.DECODE_WARPS = saved
     with launches.recording() as records:  # what the launch's own rule picks on this row
         tilefuse.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, causal=True,
                                          validate=False)

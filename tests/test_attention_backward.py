@@ -306,8 +306,9 @@ def test_warp_specialized_backward_matches_float64(B, Hq, Hkv, Nq, Nk, causal, d
 @pytest.mark.gpu_only
 def test_warp_specialized_backward_with_lse_gradient_windows_and_strided_grads():
     """The Gluon passes beside the rest of the backward's inputs: a loss on out and lse (D - dlse), a right-bounded
-    window, heads-last (BSHD) q/k/v views, an expanded (stride-0) dout from ``out.sum()``, fp16; and a left window,
-    which they do not take, on the portable passes; each against float64."""
+    window, heads-last (BSHD) q/k/v views, an expanded (stride-0) dout from ``out.sum()``, fp16; sliding windows (a
+    left edge, with and without a right one); and past d 128 a left window on the portable passes; each against
+    float64."""
     from tilefuse.kernels import launches
 
     def run(fn, q, k, v, grads, ref_fn):
@@ -327,7 +328,11 @@ def test_warp_specialized_backward_with_lse_gradient_windows_and_strided_grads()
                lambda *t: ref_attention.attention(*t, causal=True, return_lse=True)) == ["ws"]
     assert run(lambda *t: tilefuse.attention(*t, window=(-1, 37)), q, k, v, (do,),
                lambda *t: ref_attention.attention(*t, window=(-1, 37))) == ["ws"]
-    assert run(lambda *t: tilefuse.attention(*t, window=(50, 0)), q, k, v, (do,),
+    for window in [(50, 0), (50, 37), (130, -1), (0, 0)]:  # sliding windows: left edges inside and across blocks
+        assert run(lambda *t, w=window: tilefuse.attention(*t, window=w), q, k, v, (do,),
+                   lambda *t, w=window: ref_attention.attention(*t, window=w)) == ["ws"], window
+    wide = [_r(1, 2, 300, 192, seed=s, device="cuda") for s in range(4)]  # past d 128: the portable passes
+    assert run(lambda *t: tilefuse.attention(*t, window=(50, 0)), *wide[:3], (wide[3],),
                lambda *t: ref_attention.attention(*t, window=(50, 0))) == ["portable"]
     x = _r(3, 2, 300, 4, 128, device="cuda").half()  # [3, B, N, H, d]: q, k, v as [B, H, N, d] views
     qh, kh, vh = (t.transpose(1, 2) for t in x.unbind(0))

@@ -380,3 +380,26 @@ def test_append_split_over_head_blocks_writes_every_head(device, monkeypatch):
         n0 = int(lens[b])
         got = ref_paged.gather(pages, table[b], n0 + 2)
         assert torch.equal(got[n0:], k[b]) and torch.equal(got[:n0], ref_paged.gather(before, table[b], n0))
+
+
+def test_split_rule_fills_one_round_of_resident_programs():
+    """The launch's split count: programs x splits within one round of what the SMs hold at once, none shorter
+    than MIN_KEYS_PER_SPLIT keys; residency from the pipelined key and value tiles' shared memory."""
+    from tilefuse.kernels.paged import launch
+
+    hopper = 228 * 1024
+    tile = launch.DECODE_STAGES * 2 * 64 * 128 * 2  # stages x (k + v) x 64 keys x d 128 x bf16
+    assert launch.resident_programs(64, 128, 2, hopper) == min(launch.MAX_RESIDENT,
+                                                               hopper // (tile + launch.SMEM_PER_PROGRAM_SLACK))
+    assert launch.resident_programs(256, 256, 4, hopper) == 1  # never below one
+    assert launch.resident_programs(16, 16, 2, hopper) == launch.MAX_RESIDENT
+    round_size = 132 * 3
+    for programs, keys in [(8, 131072), (64, 32768), (128, 32768), (2048, 4096), (8, 4096), (1, 100)]:
+        splits = launch.choose_splits(programs, keys, round_size)
+        assert 1 <= splits <= launch.MAX_SPLITS
+        assert programs * splits <= max(round_size, programs)  # one round, or one split when a round is full
+        assert splits == 1 or math.ceil(keys / splits) >= launch.MIN_KEYS_PER_SPLIT
+    assert launch.choose_splits(8, 131072, round_size) == 49
+    assert launch.choose_splits(64, 32768, round_size) == 6
+    assert launch.choose_splits(2048, 4096, round_size) == 1
+    assert launch.choose_splits(8, 4096, round_size) == 4096 // launch.MIN_KEYS_PER_SPLIT

@@ -13,6 +13,15 @@ from tilefuse.reference import attention as ref_attention
 FP32, BF16 = torch.float32, torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def block_sparse_kernels_for_every_mask(monkeypatch):
+    """Band masks (causal, sliding windows) run the windowed kernels by default; these tests hold the block-sparse
+    kernels to every mask (test_band_masks_run_the_windowed_kernels checks that route)."""
+    from tilefuse.ops import attention as ops_attention
+
+    monkeypatch.setattr(ops_attention, "BAND_MASKS_AS_WINDOWS", False)
+
+
 def _rand(*shape, seed, device, dtype=FP32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
 
@@ -305,3 +314,36 @@ def test_bad_input_raises_before_any_launch(device):
         masks.causal() & True
     with pytest.raises(TypeError, match="bool tensor"):
         masks.from_function(lambda b, h, q, k: q - k).build(1, 1, 40, 40)
+
+
+def test_band_masks_run_the_windowed_kernels(device, monkeypatch):
+    """A spec that is only a band (causal and sliding windows under ``&``) at Nq == Nk runs attention(window=):
+    no block-sparse launch, forward and backward equal to the float64 reference with the dense mask; a band
+    with a global token, or at Nq != Nk (the block mask's top-left alignment), stays on the block-sparse kernels."""
+    from tilefuse.kernels import launches
+    from tilefuse.ops import attention as ops_attention
+
+    monkeypatch.setattr(ops_attention, "BAND_MASKS_AS_WINDOWS", True)
+    assert (masks.causal() & masks.sliding_window(9, 4)).band() == (9, 0)
+    assert (masks.sliding_window(None, 3) & masks.sliding_window(5, None)).band() == (5, 3)
+    assert (masks.causal() | masks.sliding_window(2, 2)).band() is None
+    assert (masks.causal() & masks.global_tokens(2)).band() is None
+    cases = [(masks.causal(), 40, 40, "attention"), (masks.causal() & masks.sliding_window(9, 0), 40, 40, "attention"),
+             (masks.sliding_window(3, 7), 40, 40, "attention"), (masks.sliding_window(None, None), 24, 24, "attention"),
+             ((masks.causal() & masks.sliding_window(9, 0)) | masks.global_tokens(2), 40, 40, "block_sparse_attention"),
+             (masks.causal(), 24, 40, "block_sparse_attention")]
+    for i, (spec, Nq, Nk, op) in enumerate(cases):
+        q = _rand(1, 2, Nq, 16, seed=i, device=device)
+        k, v = _rand(1, 1, Nk, 16, seed=i + 10, device=device), _rand(1, 1, Nk, 16, seed=i + 20, device=device)
+        dout = _rand(1, 2, Nq, 16, seed=i + 30, device=device)
+        bm = spec.build(1, 2, Nq, Nk, device, block_q=16, block_k=16)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with launches.recording() as recs:
+            out, lse = tilefuse.attention(*leaves, block_mask=bm, return_lse=True)
+            out.backward(dout)
+        ran = {r.op for r in recs}
+        assert op in ran and ({"attention", "block_sparse_attention"} - {op}).isdisjoint(ran), (spec, ran)
+        ro, rl, rgrads = _reference(q, k, v, spec.dense(1, 2, Nq, Nk, device), dout)
+        assert_close((out, lse), (ro, rl), REL_L2_BOUND[FP32], f"{spec!r} forward")
+        for t, want, what in zip(leaves, rgrads, ("dq", "dk", "dv")):
+            assert_close(t.grad, want, REL_L2_BOUND[FP32], f"{spec!r} {what}")

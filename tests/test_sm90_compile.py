@@ -266,14 +266,16 @@ def test_cooperative_gemm_compiles(gemm, activation, db):
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
 
 
-@pytest.mark.parametrize("which,head_dim,causal", [("dkdv", 64, False), ("dkdv", 128, True), ("dq", 128, True)])
-def test_warp_specialized_attention_backward_compiles(which, head_dim, causal):
+@pytest.mark.parametrize("which,head_dim,causal,sliding", [
+    ("dkdv", 64, False, False), ("dkdv", 128, True, False), ("dq", 128, True, False), ("dkdv", 128, True, True),
+    ("dq", 128, True, True)])
+def test_warp_specialized_attention_backward_compiles(which, head_dim, causal, sliding):
     """The Gluon backward passes (tilefuse.kernels.attention.ws_backward) as the launch runs them: partitions,
     setmaxnreg 24/240, P^T and dS^T (dS in the dQ pass) as wgmma's register operand, no spills at d 128 (dK/dV:
     two [64, 128] fp32 accumulators beside the score tiles; the row terms enter as the score accumulators'
-    initial values to fit), wgmmas not serialised."""
+    initial values to fit), with the sliding window's second edge mask too, wgmmas not serialised."""
     facts = compile_gluon_sm90("tools.compiler", "attention_bwd_ws_compile_job",
-                               dict(head_dim=head_dim, causal=causal, which=which))
+                               dict(head_dim=head_dim, causal=causal, which=which, sliding=sliding))
     assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
     assert not facts["wgmma_serialized"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts

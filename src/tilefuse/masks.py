@@ -94,6 +94,12 @@ class MaskSpec:
     def _check(self, B: int, Nq: int, Nk: int) -> None:
         """A ValueError when this spec cannot describe these shapes."""
 
+    def band(self) -> tuple | None:
+        """(left, right) when this mask is exactly the band q - left <= k <= q + right (None for an unbounded
+        side): causal() and sliding_window() combined with ``&``. None for every other mask. A band needs no tile
+        lists: ``tilefuse.attention`` runs it on the windowed kernels, which compute it from positions."""
+        return None
+
     def __and__(self, other: "MaskSpec") -> "MaskSpec":
         return _Combined("&", _as_spec(self), _as_spec(other))
 
@@ -173,6 +179,13 @@ class _Combined(MaskSpec):
         self.a._check(B, Nq, Nk)
         self.b._check(B, Nq, Nk)
 
+    def band(self):
+        x, y = self.a.band(), self.b.band()
+        if self.op != "&" or x is None or y is None:
+            return None
+        tighter = lambda u, w: w if u is None else u if w is None else min(u, w)  # noqa: E731
+        return tighter(x[0], y[0]), tighter(x[1], y[1])
+
     def __repr__(self):
         return f"({self.a!r} {self.op} {self.b!r})"
 
@@ -183,6 +196,9 @@ class _Causal(MaskSpec):
 
     def _tiles(self, g):
         return g.k_lo <= g.q_hi, g.k_hi <= g.q_lo
+
+    def band(self):
+        return None, 0
 
     def __repr__(self):
         return "causal()"
@@ -208,6 +224,9 @@ class _Window(MaskSpec):
         if self.right is not None:
             some, every = _and(some, g.k_lo <= g.q_hi + self.right), _and(every, g.k_hi <= g.q_lo + self.right)
         return some, every
+
+    def band(self):
+        return self.left, self.right
 
     def __repr__(self):
         return f"sliding_window({self.left}, {self.right})"

@@ -280,16 +280,18 @@ def attention_bwd_wide_compile_job(causal: bool = True, dtype: str = "bfloat16",
     options = dict(num_warps=4, maxnreg=ws_backward.LAUNCH_MAXNREG)
     if which == "dq":
         kv_sig = mangle_type(host_descriptor(t, (1, 1, ws_backward_wide.DQ_KEYS, tile)))
-        signature = dict(q_desc=sig, k_desc=kv_sig, v_desc=kv_sig, do_desc=sig, dq_desc=sig, **rest)
-        return ws_backward.attention_bwd_dq_ws_kernel, signature, constexprs, options
+        signature = dict(q_desc=sig, k_desc=kv_sig, v_desc=kv_sig, do_desc=sig, dq_desc=sig, **rest,
+                         window_left="i32")
+        return ws_backward.attention_bwd_dq_ws_kernel, signature, dict(constexprs, HAS_LEFT=False), options
     signature = dict(q_desc=sig, k_desc=sig, v_desc=sig, do_desc=sig, dk_desc=sig, dv_desc=sig, **rest)
     return ws_backward_wide.attention_bwd_dkdv_wide_kernel, signature, constexprs, options
 
 
 def attention_bwd_ws_compile_job(head_dim: int = 128, causal: bool = True, dtype: str = "bfloat16",
-                                 which: str = "dkdv"):
+                                 which: str = "dkdv", sliding: bool = False):
     """(kernel, signature, constexprs, options) of tilefuse.kernels.attention.ws_backward's dK/dV kernel
-    (``which`` "dkdv") or dQ kernel ("dq"), as ``tilefuse.kernels.attention.launch._backward_ws`` launches them."""
+    (``which`` "dkdv") or dQ kernel ("dq"), as ``tilefuse.kernels.attention.launch._backward_ws`` launches them;
+    ``sliding``: with a left window too."""
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -301,8 +303,8 @@ def attention_bwd_ws_compile_job(head_dim: int = 128, causal: bool = True, dtype
     q_sig = mangle_type(host_descriptor(t, (1, 1, ws_backward.BLOCK_M.value, tile)))
     kv_sig = mangle_type(host_descriptor(t, (1, 1, ws_backward.KEYS, tile)))
     rest = dict(lse_ptr="*fp32", delta_ptr="*fp32", H_Q="i32", H_KV="i32", N_Q="i32", N_K="i32", qk_scale="fp32",
-                scale="fp32", pos_offset="i32", window_right="i32")
-    constexprs = dict(HAS_RIGHT=causal, STAGES=launch.BACKWARD_WS_STAGES)
+                scale="fp32", pos_offset="i32", window_right="i32", window_left="i32")
+    constexprs = dict(HAS_LEFT=sliding, HAS_RIGHT=causal, STAGES=launch.BACKWARD_WS_STAGES)
     options = dict(num_warps=4, maxnreg=ws_backward.LAUNCH_MAXNREG)
     if which == "dq":
         signature = dict(q_desc=q_sig, k_desc=q_sig, v_desc=q_sig, do_desc=q_sig, dq_desc=q_sig, **rest)

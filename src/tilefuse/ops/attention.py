@@ -446,6 +446,12 @@ def _check_block_mask(block_mask, q, k):
     return tensors
 
 
+# A block mask whose spec is a band (causal, sliding windows: MaskSpec.band) at Nq == Nk runs the windowed kernels
+# (attention(window=)): the same mask computed from positions, no tile lists or bitmaps read, and on Hopper the
+# warp-specialized passes. False: every block mask on the block-sparse kernels (the tests of those kernels).
+BAND_MASKS_AS_WINDOWS = True
+
+
 def _block_sparse_attention(q, k, v, block_mask, causal, window, scale, return_lse, deterministic, softcap,
                             alibi_slopes):
     """:func:`attention` with a ``block_mask``."""
@@ -473,6 +479,11 @@ def _block_sparse_attention(q, k, v, block_mask, causal, window, scale, return_l
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     tensors = _check_block_mask(block_mask, q, k)
+    band = block_mask.spec.band() if BAND_MASKS_AS_WINDOWS and block_mask.spec is not None else None
+    if band is not None and q.shape[2] == k.shape[2]:  # top-left and bottom-right alignment agree
+        left, right = (-1 if w is None else w for w in band)
+        window = None if (left, right) == (-1, -1) else (left, right)
+        return _attention(q, k, v, False, window, scale, return_lse, deterministic, None, None)
     scale = None if scale is None else float(scale)
     args = (q, k, v, *tensors, block_mask.block_q, block_mask.block_k, scale)
     if grad_needed(q, k, v):
@@ -512,7 +523,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     are top-left aligned (query row i is position i); it carries the whole mask, so ``causal`` and ``window``
     must stay unset (combine ``masks.causal()`` / ``masks.sliding_window()`` into the spec instead), and
     ``softcap`` / ``alibi_slopes`` are not supported with it. Registered as
-    ``torch.ops.tilefuse.block_sparse_attention``.
+    ``torch.ops.tilefuse.block_sparse_attention``. A mask that is only a band (``causal() & sliding_window(w, 0)``
+    and the like, :meth:`tilefuse.masks.MaskSpec.band`) with Nq == Nk runs the windowed kernels instead, which
+    compute the same mask from positions and read no tile lists.
     """
     if block_mask is not None:
         return _block_sparse_attention(q, k, v, block_mask, causal, window, scale, return_lse, deterministic,

@@ -394,16 +394,18 @@ BACKWARD_REPLAY = True
 def ws_backward_usable(q, k, v, mask, window_left, softcap, alibi, varlen) -> bool:
     """The cases the warp-specialized backward passes take: the forward kernel's (``ws_usable``) at
     ws_backward.HEAD_DIMS (d <= 128) and, with BACKWARD_WS_WIDE, ws_backward_wide.HEAD_DIMS (160, 192, 256),
-    without soft-cap, ALiBi, a left window or packed sequences, and a grid within axis 1's limit (B * Hq: the
-    dQ pass's, at least the dK/dV pass's B * Hkv); everything else runs the portable passes. dout need not be
-    TMA-able: the launch copies it when it is not (autograd's expanded or strided gradients)."""
+    without soft-cap, ALiBi or packed sequences (left windows up to d 128: the wide dK/dV pass has none), and a
+    grid within axis 1's limit (B * Hq: the dQ pass's, at least the dK/dV pass's B * Hkv); everything else runs
+    the portable passes. dout need not be TMA-able: the launch copies it when it is not (autograd's expanded or
+    strided gradients)."""
     d = q.shape[-1]
-    head_dim_taken = d in ws_backward.HEAD_DIMS or (BACKWARD_WS_WIDE and d in ws_backward_wide.HEAD_DIMS)
+    narrow = d in ws_backward.HEAD_DIMS
+    head_dim_taken = narrow or (BACKWARD_WS_WIDE and d in ws_backward_wide.HEAD_DIMS and window_left < 0)
     return (BACKWARD_WS and head_dim_taken and softcap is None and alibi is None and varlen is None
-            and window_left < 0 and q.shape[0] * q.shape[1] <= MAX_GRID_Y and ws_usable(mask, q, k, v))
+            and q.shape[0] * q.shape[1] <= MAX_GRID_Y and ws_usable(mask, q, k, v))
 
 
-def _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, *, scale, pos_offset, window_right,
+def _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, *, scale, pos_offset, window_right, window_left=-1,
                  passes=("dkdv", "dq")) -> dict:
     """The two warp-specialized passes into dq, dk, dv (the layouts of q, k, v: TMA-able as they are), or only
     those in ``passes`` (benchmarks time each on its own). Returns the config: STAGES, HEAD_D (the tile width),
@@ -418,8 +420,13 @@ def _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, *, scale, pos_offset, wi
     rows = (1, 1, ws_backward.BLOCK_M.value, tile)
     dq_keys = ws_backward_wide.DQ_KEYS if wide else ws_backward.BLOCK_M.value
     q_d, do_d = host_descriptor(q, rows), host_descriptor(dout, rows)
+    if wide and window_left >= 0:
+        raise ValueError("the wide warp-specialized dK/dV pass takes no left window (ws_backward_usable)")
     flags = dict(HAS_RIGHT=window_right >= 0, STAGES=stages, num_warps=4, maxnreg=ws_backward.LAUNCH_MAXNREG)
     positions = (Hq, Hkv, Nq, Nk, scale * LOG2E, scale, pos_offset, max(window_right, 0))
+    # The narrow passes (both of them up to d 128, the dQ pass at every width) also take the window's left side.
+    band = dict(flags, HAS_LEFT=window_left >= 0)
+    band_positions = (*positions, max(window_left, 0))
     if "dkdv" in passes:
         # Per CTA: the wide pass's KEYS keys (both consumers on them), the narrow pass's KEYS per consumer.
         if wide:
@@ -429,12 +436,13 @@ def _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, *, scale, pos_offset, wi
         keys = (1, 1, ws_backward_wide.KEYS if wide else ws_backward.KEYS, tile)
         fastpath.launch(kernel, (cdiv(Nk, keys_per_cta), B * Hkv), (
             q_d, host_descriptor(k, keys), host_descriptor(v, keys), do_d, host_descriptor(dk, keys),
-            host_descriptor(dv, keys), lse, delta, *positions), flags)
+            host_descriptor(dv, keys), lse, delta, *(positions if wide else band_positions)),
+            flags if wide else band)
     if "dq" in passes:
         kv = (1, 1, dq_keys, tile)
         fastpath.launch(ws_backward.attention_bwd_dq_ws_kernel, (cdiv(Nq, ws_backward.QUERY_ROWS), B * Hq), (
             q_d, host_descriptor(k, kv), host_descriptor(v, kv), do_d, host_descriptor(dq, rows), lse, delta,
-            *positions), flags)
+            *band_positions), band)
     return dict(STAGES=stages, HEAD_D=tile, WIDE=wide, DQ_KEYS=dq_keys)
 
 
@@ -504,7 +512,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
         if not descriptors_usable(dout):
             dout = dout.contiguous()
         cfg = _backward_ws(dout, q, k, v, lse, delta, dq, dk, dv, scale=scale, pos_offset=pos_offset,
-                           window_right=window_right)
+                           window_left=window_left, window_right=window_right)
         launches.record("attention_backward", path, WS_BACKWARD_WIDE_KERNEL if cfg["WIDE"] else WS_BACKWARD_KERNEL,
                         lambda: f"s{cfg['STAGES']} d{cfg['HEAD_D']}"
                         + (f" dq keys {cfg['DQ_KEYS']}" if cfg["WIDE"] else ""))

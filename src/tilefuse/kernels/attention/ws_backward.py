@@ -15,7 +15,8 @@ issues TMA loads and two consumer warpgroups run the GEMMs, with setmaxnreg givi
 The row terms lse and D enter as the score accumulators' initial values, so the two vectors die at once and
 d 128 fits without spills.
 Scope: sm_90, 16-bit, head dim up to 128 for the dK/dV pass (80 and 96 in 128-wide tiles, ws.tile_head_dim),
-no mask, no soft-cap, ALiBi or left window; causal and right windows (HAS_RIGHT), GQA, any N (rows past N_Q get
+no mask, no soft-cap or ALiBi; causal and right windows (HAS_RIGHT), left windows (HAS_LEFT: the sliding window;
+up to d 128, the dQ pass at every width), GQA, any N (rows past N_Q get
 P = 0 through lse = +inf; keys past N_K only reach dK/dV rows that are never stored). Past 128 (160, 192, 256)
 the dK/dV pass is ws_backward_wide.py's, and the dQ pass here runs in 256-wide tiles with fewer keys per ring
 step. D = rowsum(dO * O) comes from the portable row-dot kernel; the launch (launch.py) runs the portable
@@ -45,13 +46,17 @@ HEAD_DIMS = (64, 80, 96, 128)
 
 
 @gluon.jit
-def _query_range(n0, N_Q, pos_offset, window_right, HAS_RIGHT: gl.constexpr):
-    """[m_lo, m_hi): the query blocks whose rows see any key of the block starting at n0 (query i sees key
-    j when j <= i + pos_offset + window_right), m_lo aligned down to BLOCK_M."""
+def _query_range(n0, keys, N_Q, pos_offset, window_left, window_right, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr):
+    """[m_lo, m_hi): the query blocks whose rows see any key of the ``keys`` keys from n0 (query i sees key j
+    when i + pos_offset - window_left <= j <= i + pos_offset + window_right), m_lo aligned down to BLOCK_M."""
     m_lo = 0
+    m_hi = N_Q
     if HAS_RIGHT:
         m_lo = gl.maximum(n0 - pos_offset - window_right, 0)
-    return (m_lo // BLOCK_M) * BLOCK_M, N_Q
+    if HAS_LEFT:
+        m_hi = gl.minimum(gl.maximum(n0 + keys + window_left - pos_offset, 0), N_Q)
+    return (m_lo // BLOCK_M) * BLOCK_M, m_hi
 
 
 @gluon.jit
@@ -67,16 +72,17 @@ def _fill_slot(empty, ready, it, desc0, desc1, coord0, coord1, bufs0, bufs1):
 
 
 @gluon.jit
-def _producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr, WHICH: gl.constexpr):
+def _producer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr,
+              WHICH: gl.constexpr):
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr = descs
     q_bufs, do_bufs, k_bufs, v_bufs = bufs
     kv_ready, ready, empty = bars
-    b, h_kv, n0, N_Q, N_K, group, qk_scale, scale, pos_offset, window_right, H_Q = params
+    b, h_kv, n0, N_Q, N_K, group, qk_scale, scale, pos_offset, window_left, window_right, H_Q = params
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, n0 + c * HALF_N, 0], kv_ready, k_bufs.index(c))
         tma.async_copy_global_to_shared(v_desc, [b, h_kv, n0 + c * HALF_N, 0], kv_ready, v_bufs.index(c))
-    m_lo, m_hi = _query_range(n0, N_Q, pos_offset, window_right, HAS_RIGHT)
+    m_lo, m_hi = _query_range(n0, 2 * HALF_N, N_Q, pos_offset, window_left, window_right, HAS_LEFT, HAS_RIGHT)
     it = 0
     for g in range(group):
         h = h_kv * group + g
@@ -86,12 +92,13 @@ def _producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.con
 
 
 @gluon.jit
-def _consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr, WHICH: gl.constexpr):
+def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr,
+              WHICH: gl.constexpr):
     """Keys n0 + WHICH * 64 ... + 64 of the block: their dK and dV over every query block of the ring."""
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr = descs
     q_bufs, do_bufs, k_bufs, v_bufs = bufs
     kv_ready, ready, empty = bars
-    b, h_kv, n0, N_Q, N_K, group, qk_scale, scale, pos_offset, window_right, H_Q = params
+    b, h_kv, n0, N_Q, N_K, group, qk_scale, scale, pos_offset, window_left, window_right, H_Q = params
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = accumulator_layout(BLOCK_M)
@@ -107,7 +114,7 @@ def _consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.con
     dk = gl.zeros([HALF_N, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([HALF_N, HEAD_D], gl.float32, acc_layout)
     mbarrier.wait(kv_ready, 0)
-    m_lo, m_hi = _query_range(n0, N_Q, pos_offset, window_right, HAS_RIGHT)
+    m_lo, m_hi = _query_range(n0, 2 * HALF_N, N_Q, pos_offset, window_left, window_right, HAS_LEFT, HAS_RIGHT)
     it = 0
     for g in range(group):
         h = h_kv * group + g
@@ -127,7 +134,12 @@ def _consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.con
             # wgmmas return qk_scale^-1 (S^T - lse) and dP^T - D, and the two row vectors die here.
             lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             zeros = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
-            s_t = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zeros - (lse2 / qk_scale)[None, :], is_async=True)
+            s_init = zeros - (lse2 / qk_scale)[None, :]
+            if HAS_LEFT:  # the sliding window's far edge: -inf in S^T's initial value where the block crosses it
+                if m0 + BLOCK_M - 1 + pos_offset - window_left > keys0:
+                    s_init = gl.where(offs_n[:, None] >= offs_m[None, :] + (pos_offset - window_left), s_init,
+                                      float("-inf"))
+            s_t = warpgroup_mma(k_buf, q_buf.permute((1, 0)), s_init, is_async=True)
             dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros - delta[None, :], is_async=True)
             s_t = warpgroup_mma_wait(1, deps=(s_t, ))
             # No bounds mask: rows past N_Q get P = 0 from their lse, and keys past N_K (zeros from TMA) only
@@ -157,10 +169,10 @@ def _consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.con
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "H_KV", "pos_offset", "window_right"])
+@gluon.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "H_KV", "pos_offset", "window_right", "window_left"])
 def attention_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr,
-                                 H_Q, H_KV, N_Q, N_K, qk_scale, scale, pos_offset, window_right,
-                                 HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+                                 H_Q, H_KV, N_Q, N_K, qk_scale, scale, pos_offset, window_right, window_left,
+                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -181,12 +193,12 @@ def attention_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
     descs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr)
     bufs = (q_bufs, do_bufs, k_bufs, v_bufs)
     bars = (kv_ready, ready, empty)
-    params = (b, h_kv, n0, N_Q, N_K, H_Q // H_KV, qk_scale, scale, pos_offset, window_right, H_Q)
+    params = (b, h_kv, n0, N_Q, N_K, H_Q // H_KV, qk_scale, scale, pos_offset, window_left, window_right, H_Q)
     # Constexprs go as separate arguments (inside a tuple they would become runtime values).
     gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 0)),
-        (_consumer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 1)),
-        (_producer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 0)),
+        (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, HEAD_D, 0)),
+        (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, HEAD_D, 1)),
+        (_producer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, HEAD_D, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -198,39 +210,46 @@ def attention_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
 
 
 @gluon.jit
-def _dq_key_end(m0, N_K, pos_offset, window_right, HAS_RIGHT: gl.constexpr):
-    """The end of the keys rows [m0, m0 + 128) see (row i sees j <= i + pos_offset + window_right)."""
+def _dq_key_range(m0, N_K, pos_offset, window_left, window_right, BLOCK_KEYS: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr):
+    """[lo, hi): the keys rows [m0, m0 + 128) see (row i sees j when i + pos_offset - window_left <= j <= i +
+    pos_offset + window_right), lo aligned down to BLOCK_KEYS."""
+    lo = 0
     hi = N_K
     if HAS_RIGHT:
         hi = gl.minimum(gl.maximum(m0 + 2 * BLOCK_M - 1 + pos_offset + window_right + 1, 0), N_K)
-    return hi
+    if HAS_LEFT:
+        lo = gl.minimum(gl.maximum(m0 + pos_offset - window_left, 0), hi)
+    return (lo // BLOCK_KEYS) * BLOCK_KEYS, hi
 
 
 @gluon.jit
-def _dq_producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr, WHICH: gl.constexpr):
+def _dq_producer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr,
+                 WHICH: gl.constexpr):
     q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr = descs
     q_bufs, do_bufs, k_bufs, v_bufs = bufs
     q_ready, ready, empty = bars
-    b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh = params
+    b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_left, window_right, pid_bh = params
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + c * BLOCK_M, 0], q_ready, q_bufs.index(c))
         tma.async_copy_global_to_shared(do_desc, [b, h, m0 + c * BLOCK_M, 0], q_ready, do_bufs.index(c))
-    hi = _dq_key_end(m0, N_K, pos_offset, window_right, HAS_RIGHT)
+    lo, hi = _dq_key_range(m0, N_K, pos_offset, window_left, window_right, BLOCK_KEYS, HAS_LEFT, HAS_RIGHT)
     it = 0
-    for n0 in range(0, hi, BLOCK_KEYS):
+    for n0 in range(lo, hi, BLOCK_KEYS):
         _fill_slot(empty, ready, it, k_desc, v_desc, [b, h_kv, n0, 0], [b, h_kv, n0, 0], k_bufs, v_bufs)
         it += 1
 
 
 @gluon.jit
-def _dq_consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr, WHICH: gl.constexpr):
+def _dq_consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_D: gl.constexpr,
+                 WHICH: gl.constexpr):
     """Rows m0 + WHICH * 64 ... + 64: their dQ over every key tile the CTA's rows see."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr = descs
     q_bufs, do_bufs, k_bufs, v_bufs = bufs
     q_ready, ready, empty = bars
-    b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh = params
+    b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_left, window_right, pid_bh = params
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
@@ -252,9 +271,9 @@ def _dq_consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.
     do_buf = do_bufs.index(WHICH).reshape([BLOCK_M, HEAD_D])
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, acc_layout)
     mbarrier.wait(q_ready, 0)
-    hi = _dq_key_end(m0, N_K, pos_offset, window_right, HAS_RIGHT)
+    lo, hi = _dq_key_range(m0, N_K, pos_offset, window_left, window_right, BLOCK_KEYS, HAS_LEFT, HAS_RIGHT)
     it = 0
-    for n0 in range(0, hi, BLOCK_KEYS):
+    for n0 in range(lo, hi, BLOCK_KEYS):
         slot = it % STAGES
         mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
         k_buf = k_bufs.index(slot).reshape([BLOCK_KEYS, HEAD_D])
@@ -268,6 +287,9 @@ def _dq_consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.
         if HAS_RIGHT:
             if n0 + BLOCK_KEYS - 1 > rows0 + pos_offset + window_right:  # the tile crosses this consumer's edge
                 s = gl.where(offs_n[None, :] <= offs_m[:, None] + (pos_offset + window_right), s, float("-inf"))
+        if HAS_LEFT:
+            if n0 < rows0 + BLOCK_M - 1 + pos_offset - window_left:  # the tile crosses the window's far edge
+                s = gl.where(offs_n[None, :] >= offs_m[:, None] + (pos_offset - window_left), s, float("-inf"))
         if n0 + BLOCK_KEYS > N_K:
             s = gl.where((offs_n < N_K)[None, :], s, float("-inf"))
         p = gl.exp2(s)
@@ -284,10 +306,10 @@ def _dq_consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, HEAD_D: gl.
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "H_KV", "pos_offset", "window_right"])
+@gluon.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "H_KV", "pos_offset", "window_right", "window_left"])
 def attention_bwd_dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
-                               H_Q, H_KV, N_Q, N_K, qk_scale, scale, pos_offset, window_right,
-                               HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+                               H_Q, H_KV, N_Q, N_K, qk_scale, scale, pos_offset, window_right, window_left,
+                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -310,11 +332,11 @@ def attention_bwd_dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
     descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr)
     bufs = (q_bufs, do_bufs, k_bufs, v_bufs)
     bars = (q_ready, ready, empty)
-    params = (b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_right, pid_bh)
+    params = (b, h, h_kv, m0, N_Q, N_K, qk_scale, scale, pos_offset, window_left, window_right, pid_bh)
     gl.warp_specialize([
-        (_dq_consumer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 0)),
-        (_dq_consumer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 1)),
-        (_dq_producer, (descs, bufs, bars, params, HAS_RIGHT, HEAD_D, 0)),
+        (_dq_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, HEAD_D, 0)),
+        (_dq_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, HEAD_D, 1)),
+        (_dq_producer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, HEAD_D, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -52,7 +52,7 @@ def _producer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, WHICH: gl.cons
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, h_kv, n0, 0], kv_ready, k_bufs.index(0))
     tma.async_copy_global_to_shared(v_desc, [b, h_kv, n0, 0], kv_ready, v_bufs.index(0))
-    m_lo, m_hi = _query_range(n0, N_Q, pos_offset, window_right, HAS_RIGHT)
+    m_lo, m_hi = _query_range(n0, BLOCK_N, N_Q, pos_offset, 0, window_right, False, HAS_RIGHT)
     it = 0
     for g in range(group):
         h = h_kv * group + g
@@ -81,7 +81,7 @@ def _consumer(descs, bufs, bars, params, HAS_RIGHT: gl.constexpr, WHICH: gl.cons
     v_buf = v_bufs.index(0).reshape([BLOCK_N, HEAD_D])
     acc = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)
     mbarrier.wait(kv_ready, 0)
-    m_lo, m_hi = _query_range(n0, N_Q, pos_offset, window_right, HAS_RIGHT)
+    m_lo, m_hi = _query_range(n0, BLOCK_N, N_Q, pos_offset, 0, window_right, False, HAS_RIGHT)
     it = 0
     for g in range(group):
         h = h_kv * group + g

@@ -22,6 +22,7 @@ MAX_SPLITS = 64
 MAX_BLOCK_M = 64  # query rows (tokens x heads of one KV head) per program
 DECODE_BLOCK_N = 64  # keys per tile (32 above head dim 128)
 DECODE_STAGES = 2  # software pipeline depth of the key loop
+DECODE_WARPS = 4  # warps per program up to 64 x 128 (rows x head dim) tiles; 8 past that
 UNBOUNDED = 1 << 30  # a window side past every key
 # Elements of k per append program (and as many of v): a decode step's few tokens spread over enough programs
 # to keep loads in flight on every SM.
@@ -126,7 +127,7 @@ def attention(q, k_cache, v_cache, *, block_table, lens, lens_by_slot: bool, ext
     o_strides = (0, *out.stride()) if varlen else out.stride()
     placeholder = lens if lens is not None else q
     precision = runtime.precision_for(q.dtype, q.is_cuda)
-    warps = 4 if block_m * block_d <= 64 * 128 else 8
+    warps = DECODE_WARPS if block_m * block_d <= 64 * 128 else 8
     kv_attention_kernel[(B * m_blocks, hkv, num_splits)](
         q, k_cache, v_cache, block_table if block_table is not None else placeholder, placeholder,
         slots if slots is not None else placeholder, leftpad if leftpad is not None else placeholder,
