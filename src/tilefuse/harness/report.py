@@ -78,12 +78,16 @@ def _accuracy_for_op(spec: OpSpec, seeds: int, progress=None, quick: bool = Fals
     for params in accuracy_cases(spec, quick):
         bound = spec.tolerance(params)
         rel, mx, nan_bad = [], [], 0
+        baselines = spec.extra.get("accuracy_baselines", {})
+        baseline_rel = {name: [] for name in baselines}
         for seed in range(seeds):
             inputs = spec.make_inputs(params, device, 1000 + seed)
             with torch.no_grad():
                 ref = spec.reference(**to_float64(inputs))
                 poison_outputs_like(ref, params["dtype"])
                 out = spec.fused(**inputs)
+                for name, fn in baselines.items():  # the same inputs through another method, for comparison
+                    baseline_rel[name].append(error_stats(fn(**inputs), ref).rel_l2)
             st = error_stats(out, ref)
             rel.append(st.rel_l2)
             mx.append(st.max_abs)
@@ -95,6 +99,7 @@ def _accuracy_for_op(spec: OpSpec, seeds: int, progress=None, quick: bool = Fals
             "rel_l2": rel, "max_abs": mx, "nan_mismatch": nan_bad, "bound": bound,
             "rel_l2_median": _median(rel), "rel_l2_max": max(rel), "max_abs_max": max(mx),
             "pass": nan_bad == 0 and max(rel) <= bound,
+            **({"baselines": {name: _median(r) for name, r in baseline_rel.items()}} if baselines else {}),
         })
     return rows
 
@@ -310,8 +315,10 @@ def _host_bound_mark(row) -> str:
 def _roofline_pct(spec, params, row, ceilings) -> float | None:
     bound = spec.bound_for(params)
     if bound == "compute":
-        key = {torch.bfloat16: "gemm_bf16_TFLOPs", torch.float16: "gemm_fp16_TFLOPs",
-               torch.float32: "gemm_fp32_TFLOPs"}.get(params["dtype"])
+        # A row with "fp8" set runs its products in e4m3: its ceiling is the FP8 GEMM's, whatever its output dtype.
+        key = "gemm_fp8_TFLOPs" if params.get("fp8") else {
+            torch.bfloat16: "gemm_bf16_TFLOPs", torch.float16: "gemm_fp16_TFLOPs",
+            torch.float32: "gemm_fp32_TFLOPs"}.get(params["dtype"])
         ceiling = ceilings.get(key)
         return 100 * row["tflops"] / ceiling if ceiling else None
     ceiling = ceilings.get("read_TBps" if bound == "read" else "copy_TBps")
@@ -591,21 +598,26 @@ def render_markdown(result: dict) -> str:
                   "time below was measured afterwards in one process, with the workers gone.", ""]
     if on_gpu:
         lines += ["## Ceilings measured in this run", "",
-                  "| copy TB/s (read+write) | read-only TB/s | GEMM bf16 TFLOP/s | GEMM fp16 TFLOP/s | GEMM fp32 TFLOP/s |",
-                  "|---|---|---|---|---|",
+                  "| copy TB/s (read+write) | read-only TB/s | GEMM bf16 TFLOP/s | GEMM fp16 TFLOP/s | GEMM fp32 TFLOP/s "
+                  "| GEMM fp8 TFLOP/s |",
+                  "|---|---|---|---|---|---|",
                   f"| {ceil['copy_TBps']:.2f} | {ceil['read_TBps']:.2f} | {ceil['gemm_bf16_TFLOPs']:.0f} | "
-                  f"{ceil['gemm_fp16_TFLOPs']:.0f} | {ceil['gemm_fp32_TFLOPs']:.1f} |", ""]
+                  f"{ceil['gemm_fp16_TFLOPs']:.0f} | {ceil['gemm_fp32_TFLOPs']:.1f} | "
+                  f"{_fmt(ceil.get('gemm_fp8_TFLOPs'), '.0f')} |", ""]
     else:
         lines += ["**Timing is not meaningful here**: no GPU, so kernels ran in the Triton interpreter. "
                   "Accuracy and the HBM byte model below are real; speed columns are empty.", ""]
     for name, op in result["ops"].items():
+        baseline_names = sorted({n for a in op["accuracy"] for n in a.get("baselines", {})})
         lines += [f"## {name}", "", op["summary"], "", "### Accuracy (rel-L2 and max-abs vs float64)", "",
-                  "| case | dtype | seeds | rel-L2 median | rel-L2 max | bound | max-abs max | NaN mismatches | pass |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| case | dtype | seeds | rel-L2 median | rel-L2 max | bound | max-abs max | NaN mismatches | pass |"
+                  + "".join(f" {n}: rel-L2 median |" for n in baseline_names),
+                  "|---|---|---|---|---|---|---|---|---|" + "---|" * len(baseline_names)]
         for a in op["accuracy"]:
             lines.append(f"| {a['case']} | {a['dtype']} | {a['seeds']} | {a['rel_l2_median']:.2e} | "
                          f"{a['rel_l2_max']:.2e} | {a['bound']:.0e} | {a['max_abs_max']:.2e} | "
-                         f"{a['nan_mismatch']} | {'yes' if a['pass'] else '**NO**'} |")
+                         f"{a['nan_mismatch']} | {'yes' if a['pass'] else '**NO**'} |"
+                         + "".join(f" {_fmt(a.get('baselines', {}).get(n), '.2e')} |" for n in baseline_names))
         lines.append("")
         if op["speed"]:
             if on_gpu:

@@ -75,7 +75,8 @@ def host_us(fn, calls: int = 20, rounds: int = 3, warmup: int = 0) -> float:
 
 
 def measure_ceilings() -> dict:
-    """The run's own ceilings: device-to-device copy, read-only sum, and bf16/fp16 GEMM throughput.
+    """The run's own ceilings: device-to-device copy, read-only sum, bf16/fp16/fp32 GEMM throughput and, on GPUs
+    with FP8 tensor cores, the e4m3 GEMM's (``torch._scaled_mm``).
 
     Measured at the start of every GPU report so every % is against this machine, this run.
     """
@@ -98,6 +99,12 @@ def measure_ceilings() -> dict:
         b = torch.randn(8192, 8192, device="cuda", dtype=dtype)
         ms = bench_ms(lambda: a @ b)
         ceilings[key] = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+    if torch.cuda.get_device_capability() >= (8, 9):  # FP8 tensor cores: cuBLASLt's e4m3 GEMM, per-tensor scales
+        a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda")
+        ms = bench_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        ceilings["gemm_fp8_TFLOPs"] = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
     torch.cuda.empty_cache()
     return ceilings
 

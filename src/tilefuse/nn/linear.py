@@ -13,6 +13,7 @@ import torch
 
 from tilefuse.constants import ACTIVATIONS
 from tilefuse.ops.cross_entropy import linear_cross_entropy
+from tilefuse.ops.fp8_linear import QuantizedWeight, quantize_weight
 from tilefuse.ops.linear import linear
 from tilefuse.ops.norms import layer_norm_linear
 from tilefuse.ops.qkv import qkv_projection
@@ -33,28 +34,77 @@ def _check_is_linear(name, module):
 
 
 class Linear(torch.nn.Linear):
-    """``act(torch.nn.Linear(x))`` in one kernel (:func:`tilefuse.linear`); the state dict is torch's."""
+    """``act(torch.nn.Linear(x))`` in one kernel (:func:`tilefuse.linear`); the state dict is torch's.
+
+    FP8 inference: :meth:`quantize_` (or ``from_linear(..., fp8=True)``) replaces the weight by its e4m3 values
+    and per-output-channel scales (:func:`tilefuse.quantize_weight`), kept as the buffers ``weight_fp8``
+    (float8_e4m3fn [out, in]) and ``weight_scale`` (fp32 [out]); ``weight`` is then None and forward runs
+    ``linear(..., fp8=True)``, forward-only (under ``torch.no_grad()`` / ``torch.inference_mode()`` while the bias
+    requires grad). The state dict then holds ``weight_fp8``, ``weight_scale`` and ``bias``; a module quantized
+    the same way loads it. ``module.to(dtype)`` leaves the e4m3 values and scales as they are (moving them to a
+    device only) and makes ``dtype`` the output dtype of an e4m3 x without a bias."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None,
                  device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.activation = _check_activation(activation)
+        self.weight_dtype = None  # with an FP8 weight: the dtype it had (QuantizedWeight.dtype)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, activation: str | None = None) -> "Linear":
-        """A tilefuse Linear sharing ``linear``'s weight and bias (the same Parameter objects)."""
+    def from_linear(cls, linear: torch.nn.Linear, activation: str | None = None, fp8: bool = False) -> "Linear":
+        """A tilefuse Linear sharing ``linear``'s weight and bias (the same Parameter objects); with ``fp8``, its
+        weight quantized instead (:meth:`quantize_`; the bias still shared)."""
         _check_is_linear("linear", linear)
         # Built on the meta device: no weights allocated, then the originals put in their place.
         module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, activation=activation,
                      device="meta")
         module.weight, module.bias = linear.weight, linear.bias
-        return module.train(linear.training)
+        module.train(linear.training)
+        return module.quantize_() if fp8 else module
+
+    @property
+    def quantized(self) -> bool:
+        return "weight_fp8" in self._buffers
+
+    def quantize_(self) -> "Linear":
+        """Quantize the weight to e4m3 per output channel in place (see the class doc); returns the module."""
+        if self.quantized:
+            return self
+        qw = quantize_weight(self.weight)
+        del self.weight
+        self.register_parameter("weight", None)
+        self.register_buffer("weight_fp8", qw.data)
+        self.register_buffer("weight_scale", qw.scale)
+        self.weight_dtype = qw.dtype
+        return self
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The FP8 weight as the op takes it (after :meth:`quantize_`)."""
+        return QuantizedWeight(self.weight_fp8, self.weight_scale, self.weight_dtype)
+
+    def _apply(self, fn, recurse=True):
+        if not self.quantized:
+            return super()._apply(fn, recurse)
+        # A dtype conversion (module.half(), .to(torch.bfloat16)) would cast the e4m3 values and their fp32
+        # scales: they only follow the device, and the dtype becomes the output dtype of an e4m3 x.
+        q, scale = self._buffers.pop("weight_fp8"), self._buffers.pop("weight_scale")
+        try:
+            super()._apply(fn, recurse)
+            probe = fn(scale.new_empty(0, dtype=self.weight_dtype))  # where fn sends a tensor of that dtype
+        finally:
+            self._buffers["weight_fp8"], self._buffers["weight_scale"] = q, scale
+        self._buffers["weight_fp8"], self._buffers["weight_scale"] = q.to(probe.device), scale.to(probe.device)
+        if probe.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            self.weight_dtype = probe.dtype
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return linear(x, self.quantized_weight(), self.bias, self.activation, fp8=True)
         return linear(x, self.weight, self.bias, self.activation)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, activation={self.activation!r}"
+        return f"{super().extra_repr()}, activation={self.activation!r}" + (", fp8=True" if self.quantized else "")
 
 
 class GatedMLP(torch.nn.Module):

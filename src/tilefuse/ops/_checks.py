@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from tilefuse import runtime
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -117,3 +119,31 @@ def check_offsets(name, cu, total, max_seqlen, validate):
             raise ValueError(f"{name} must be non-decreasing, got {values}")
         if lengths and max(lengths) > max_seqlen:
             raise ValueError(f"{name} has a sequence of length {max(lengths)} above its max_seqlen {max_seqlen}")
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
+
+
+def fp8_device_problem(device: torch.device) -> str | None:
+    """Why FP8 kernels cannot run on CUDA device ``device`` (no FP8 tensor cores: compute capability below
+    8.9), as a sentence, or None."""
+    major = runtime.device_facts(device)[0]
+    if major >= 9:
+        return None
+    capability = f"{major}.x"
+    if major == 8:
+        minor = torch.cuda.get_device_capability(device)[1]
+        if (major, minor) >= FP8_MIN_CAPABILITY:
+            return None
+        capability = f"{major}.{minor}"
+    return (f"fp8=True needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); {device} "
+            f"has compute capability {capability}. Run the 16-bit op (fp8=False) there")
+
+
+def check_fp8_device(name: str, t: torch.Tensor) -> None:
+    """Refuses an FP8 call whose tensor ``name`` is on a GPU without FP8 tensor cores, before any launch; CPU
+    tensors run the interpreter or the reference."""
+    if t.is_cuda:
+        problem = fp8_device_problem(t.device)
+        if problem is not None:
+            raise NotImplementedError(f"{name}: {problem}")

@@ -13,7 +13,7 @@ import torch
 
 from tilefuse import reference, runtime
 from tilefuse.constants import ACTIVATIONS, GATED_ACTIVATIONS
-from tilefuse.ops import _dispatch, _dtensor
+from tilefuse.ops import _dispatch, _dtensor, fp8_linear
 from tilefuse.ops._checks import check_same_device, check_same_dtype, check_tensor, dense, grad_needed
 
 
@@ -273,9 +273,10 @@ _gated_linear_call = _dispatch.register_autograd(_gated_linear_op, _gated_linear
 _dispatch.register_autocast(_gated_linear_op, (0, 1, 2, 3, 4))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | fp8_linear.QuantizedWeight,
            bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
-           activation: str | None = None) -> torch.Tensor:
+           activation: str | None = None, *, fp8: bool = False,
+           x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` computed by one fused kernel.
 
     x: ``[..., K]`` (1-D allowed); weight: ``[N, K]`` as in ``nn.Linear``; bias: ``[N]`` or None;
@@ -295,10 +296,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Ten
     ``(W_gate, W_up)`` (each ``[N, K]``, read in place) or one ``[2N, K]`` tensor ``cat([W_gate, W_up])``;
     ``bias`` likewise a pair, ``[2N]`` or None.
 
+    ``fp8=True`` (inference only; not gated): ``act((x_q * sx) @ (w_q * sw)^T + bias)`` on e4m3 operands into an
+    fp32 accumulator, x scaled per row and W per output channel (scale = amax(|row|) / 448); the scales, the
+    bias (float32, float16 or bfloat16, added in fp32) and the activation are applied in the epilogue.
+    ``weight``: a ``tilefuse.QuantizedWeight`` from ``tilefuse.quantize_weight`` (quantized once: the fast
+    path), or a 16/32-bit ``[N, K]`` tensor, quantized on every call. ``x``: 16/32-bit, quantized per row by a
+    pre-pass kernel (one read of x; its e4m3 rows and scales written), or ``torch.float8_e4m3fn`` with
+    ``x_scale`` (float32 of shape ``x.shape[:-1]`` or ``[..., 1]``: the unquantized x ~= x * x_scale[..., None]).
+    Returns ``[..., N]``: in x's dtype for a 16/32-bit x (the autocast dtype under autocast); for an e4m3 x in
+    bias's dtype, without a bias in the dtype the weight had before quantization. Needs compute capability 8.9+
+    on CUDA, and refuses a call autograd would have to record (NotImplementedError both). Registered as
+    ``torch.ops.tilefuse.linear_fp8`` (tilefuse/ops/fp8_linear.py).
+
     Registered as ``torch.ops.tilefuse.linear`` / ``torch.ops.tilefuse.gated_linear``: works under
     ``torch.compile`` (fullgraph, dynamic shapes) and CUDA-graph capture. Host cost: a repeated call
     (same shapes, strides, dtypes, alignment) replays its launch (the launch layer's fast path).
     """
+    if fp8:
+        return fp8_linear.linear_fp8(x, weight, bias, activation, x_scale)
+    if x_scale is not None:
+        raise ValueError("x_scale is the per-row scale of an fp8 x: it needs fp8=True")
+    if isinstance(weight, fp8_linear.QuantizedWeight):
+        raise TypeError("weight is a tilefuse.QuantizedWeight: pass fp8=True to run the FP8 GEMM")
+    if isinstance(x, torch.Tensor) and x.dtype == fp8_linear.FP8_DTYPE:
+        raise TypeError("x is float8_e4m3fn: pass fp8=True and its per-row scales as x_scale")
+    if isinstance(weight, torch.Tensor) and weight.dtype == fp8_linear.FP8_DTYPE:
+        raise TypeError("weight is float8_e4m3fn: make it with tilefuse.quantize_weight(W) and pass fp8=True")
     if activation is not None and activation not in ACTIVATIONS + GATED_ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS + GATED_ACTIVATIONS}, got {activation!r}")
     if _dtensor.any_dtensor(x, weight, bias):  # tensor parallelism: the local shards (ops/_dtensor.py)

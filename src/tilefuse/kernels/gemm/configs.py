@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import triton
 
+from tilefuse.sizes import next_pow2
+
 INTERPRETER_GEMM = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
 
 
@@ -153,3 +155,86 @@ def prune_backward_configs(configs, named_args, **kwargs):
             if backward_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages,
                                    elem, a_tiles, tensor_cores) <= SMEM_LIMIT]
     return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
+
+
+# ---- FP8 (e4m3) GEMM (fp8.py) ----------------------------------------------------------------------
+# BLOCK_K 128: one 128-byte swizzle row of e4m3 per tile row, and half as many K steps (barrier waits, wgmma
+# issues) as 64 would take. 128x256 is the bf16 kernel's fastest shape at twice the K depth for the same bytes;
+# 256x128 the same with the tile's long side on M; 128x128 for mid-size N, 64-row tiles for small M.
+# tests/test_fp8_linear.py compiles them for sm_90a (registers, spills, shared memory).
+FP8_TMA_GEMM_CONFIGS = [
+    dict(bm=128, bn=256, bk=128, stages=3, warps=8),
+    dict(bm=128, bn=256, bk=128, stages=4, warps=8),
+    dict(bm=256, bn=128, bk=128, stages=3, warps=8),
+    dict(bm=128, bn=128, bk=128, stages=4, warps=8),
+    dict(bm=128, bn=128, bk=128, stages=4, warps=8, subtile=False),
+    dict(bm=64, bn=256, bk=128, stages=4, warps=4),
+    dict(bm=64, bn=128, bk=128, stages=4, warps=4),
+]
+# The pointer kernel (any strides and sizes; Ada, or operands TMA cannot take).
+FP8_PORTABLE_GEMM_CONFIGS = [
+    _gemm_config(128, 128, 128, 8, 3),
+    _gemm_config(128, 64, 128, 4, 4),
+    _gemm_config(64, 128, 128, 4, 4),
+    _gemm_config(64, 64, 128, 4, 4),
+]
+# The interpreter's fixed tiles (its cost is per program): the pointer kernel's and the TMA kernel's.
+FP8_INTERPRETER_GEMM = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
+FP8_INTERPRETER_TMA = dict(bm=64, bn=64, bk=128, stages=1, warps=4)
+
+
+def fp8_tma_config(bm, bn, bk, stages, warps, subtile=True, group=8):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, EPILOGUE_SUBTILE=subtile),
+                         num_stages=stages, num_warps=warps)
+
+
+FP8_TMA_SMEM_SLACK = 2048  # barriers and the like: sm_90a compiles of the space allocate 24-1048 B past the tiles
+
+
+def fp8_tma_smem_bytes(bm: int, bn: int, bk: int, stages: int, subtile: bool, out_bytes: int) -> int:
+    """Shared memory of the FP8 TMA kernel as modeled: ``stages`` buffers of one x and one w tile (1 byte an
+    element), one epilogue staging buffer of the stored tile (half of it with subtiling) and FP8_TMA_SMEM_SLACK.
+    (sm_90a, bf16 out: 128x256x128 s4 compiles to 229,408 B, modeled 231,424.)"""
+    return stages * (bm + bn) * bk + bm * (bn // 2 if subtile else bn) * out_bytes + FP8_TMA_SMEM_SLACK
+
+
+def _fp8_register_fit(configs, kwargs):
+    """Without FAST_ACCUM each K step adds a partial accumulator to the main one: two fp32 tiles, so (as the gated
+    GEMM's two) at most 64 accumulator elements per thread each. sm_90a: 128x256 (8 warps) and 64x256 (4) spill
+    132-164 B then, and 256x128 serializes its wgmma; 128x128 takes 168 registers, 64x128 161, no spills."""
+    if kwargs.get("FAST_ACCUM", True):
+        return configs
+    fits = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32 * c.num_warps]
+    return fits or configs[-1:]
+
+
+def prune_fp8_tma_configs(configs, named_args, **kwargs):
+    """The register rule (:func:`_fp8_register_fit`), then the configs whose modeled shared memory
+    (:func:`fp8_tma_smem_bytes`, at y's element size) fits sm_90's 227 KB; the smallest if none does."""
+    y = named_args.get("y_ptr")
+    out_bytes = y.element_size() if hasattr(y, "element_size") else 2
+
+    def smem(c):
+        k = c.kwargs
+        return fp8_tma_smem_bytes(k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], c.num_stages, k["EPILOGUE_SUBTILE"],
+                                  out_bytes)
+    kept = _fp8_register_fit(configs, kwargs)
+    fits = [c for c in kept if smem(c) <= SMEM_LIMIT]
+    return fits or [min(kept, key=smem)]
+
+
+def prune_fp8_portable_configs(configs, named_args, **kwargs):
+    """The register rule, then the pipeline's shared memory: ``stages`` buffers of one x and one w tile, 1 byte an
+    element."""
+    kept = _fp8_register_fit(configs, kwargs)
+    fits = [c for c in kept
+            if c.num_stages * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] <= SMEM_LIMIT]
+    return fits or kept[-1:]
+
+
+def quantize_rows_tile(K: int, interpret: bool) -> dict:
+    """The row quantizer's tile: a whole row per chunk up to 4096 (the interpreter: 512) columns, else chunks of
+    that; rows per program so a program holds about 8192 elements (4 warps, 16-byte loads)."""
+    block_k = min(max(16, next_pow2(K)), 512 if interpret else 4096)
+    block_m = max(1, min(64, 8192 // block_k))
+    return dict(BLOCK_M=block_m, BLOCK_K=block_k, ONE_CHUNK=K <= block_k)
