@@ -534,3 +534,33 @@ def test_wide_head_attention_backward_compiles(which, causal):
     assert not facts["wgmma_serialized"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
+
+
+@pytest.mark.parametrize("has_right", [False, True])
+def test_fp8_attention_ws_compiles(has_right):
+    """The warp-specialized FP8 attention (ws_fp8.py) at the launch's ring (128-key tiles, 3 stages): partitions,
+    setmaxnreg 24/240, both products on wgmma with P (e4m3) from registers, no spills, the ring in shared memory."""
+    from tilefuse.kernels.attention.launch import FP8_WS_CONFIG
+    facts = compile_gluon_sm90("tools.compiler", "attention_fp8_ws_compile_job",
+                               dict(head_dim=128, has_right=has_right, block_n=FP8_WS_CONFIG["BLOCK_N"],
+                                    stages=FP8_WS_CONFIG["STAGES"]))
+    assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
+    assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
+    assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
+
+
+def test_fp8_attention_portable_compiles_to_wgmma():
+    """The portable FP8 attention at its GPU config: e4m3 wgmma for QK^T and for P @ V (V^T tiles keys-contiguous).
+    It spills a few hundred bytes at every tile tried (benchmarks/NOTES.md); Hopper runs ws_fp8 where it applies."""
+    from tilefuse.kernels.attention.launch import FP8_CONFIG
+    cfg = {k: v for k, v in FP8_CONFIG.items() if k not in ("num_warps", "num_stages")}
+    sig = {"*": "*fp8e4nv", "o_ptr": "*bf16", "qs_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+           "qk_scale": "fp32"}
+    facts = compile_sm90("tilefuse.kernels.attention.fp8", "attention_fp8_fwd_kernel", sig,
+                         dict(HAS_LEFT=False, HAS_RIGHT=True, QBLOCK=128, BLOCK_D=128,
+                              FLAT_GRID=False, **cfg), num_warps=FP8_CONFIG["num_warps"],
+                         num_stages=FP8_CONFIG["num_stages"],
+                         aligned=("q_ptr", "k_ptr", "vt_ptr", "o_ptr", "stride_qh", "stride_qm", "stride_kh",
+                                  "stride_kn", "stride_vh", "stride_vd", "stride_oh", "stride_om"),
+                         ones=("stride_qd", "stride_kd", "stride_vn", "stride_od"))
+    assert facts["wgmma"] and facts["spill_store_bytes"] < 1024, facts

@@ -226,6 +226,21 @@ def attention_ws_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_l
     return fn, signature, constexprs, dict(num_warps=4, maxnreg=ws.LAUNCH_MAXNREG)
 
 
+def attention_fp8_ws_compile_job(head_dim: int = 128, has_left: bool = False, has_right: bool = False,
+                                 block_n: int = 128, stages: int = 2):
+    """(kernel, signature, constexprs, options) of tilefuse.kernels.attention.ws_fp8.attention_fp8_ws_kernel as
+    ``tilefuse.kernels.attention.launch.forward_fp8`` launches it (e4m3 q, k, v^T, bf16 out, fp32 scales)."""
+    from tilefuse.kernels.attention import ws, ws_fp8
+
+    fn = ws_fp8.attention_fp8_ws_kernel
+    constexprs = dict(HEAD_D=head_dim, HAS_LEFT=has_left, HAS_RIGHT=has_right, BLOCK_N=block_n, STAGES=stages,
+                      FLAT_GRID=False)
+    signature = {name: "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names if name not in constexprs}
+    signature.update(q_ptr="*fp8e4nv", k_ptr="*fp8e4nv", vt_ptr="*fp8e4nv", o_ptr="*bf16", qs_ptr="*fp32",
+                     ks_ptr="*fp32", vs_ptr="*fp32")
+    return fn, signature, constexprs, dict(num_warps=4, maxnreg=ws.LAUNCH_MAXNREG)
+
+
 def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activation: str = "gelu",
                              dtype: str = "bfloat16", num_sms: int = 132, db: bool = True):
     """(kernel, signature, constexprs, options) of tilefuse.kernels.gemm.coop.gemm_coop_ws_kernel as its

@@ -16,6 +16,7 @@ import torch
 
 from tilefuse import runtime
 from tilefuse.ops import _dispatch, _dtensor
+from tilefuse.ops import fp8_attention
 from tilefuse.ops import paged as paged_ops
 from tilefuse.ops._checks import (check_offsets, check_same_device, check_same_dtype, check_tensor,
                                   flash_attn_window, grad_needed, score_modifiers)
@@ -500,7 +501,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               window: tuple[int, int] | None = None, scale: float | None = None,
               return_lse: bool = False, deterministic: bool = False, softcap: float | None = None,
               alibi_slopes: torch.Tensor | None = None,
-              block_mask: BlockMask | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              block_mask: BlockMask | None = None, fp8: bool = False, q_scale=None, k_scale=None, v_scale=None,
+              rotate: bool | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward: ``softmax(q k^T * scale) v`` without materialising the scores.
 
     q: ``[B, Hq, Nq, d]``; k, v: ``[B, Hkv, Nk, d]`` with ``Hq % Hkv == 0`` (query head h reads KV
@@ -526,7 +529,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``torch.ops.tilefuse.block_sparse_attention``. A mask that is only a band (``causal() & sliding_window(w, 0)``
     and the like, :meth:`tilefuse.masks.MaskSpec.band`) with Nq == Nk runs the windowed kernels instead, which
     compute the same mask from positions and read no tile lists.
+
+    ``fp8=True``: both matrix products in FP8 (e4m3) on FP8 tensor cores (compute capability 8.9+; CPU runs the
+    same math), forward only, with ``causal``, ``window``, ``scale`` and GQA as above. 16/32-bit q, k, v are
+    quantized first (:func:`tilefuse.quantize_qkv`: Q and K one scale per head and 128 rows, V one per head
+    and channel; ``rotate`` -- by default where d is a power of two -- rotates Q and K by one orthogonal
+    matrix first, which keeps outlier channels from dominating the rounding) and the output is in their dtype. Or pass float8_e4m3fn q, k, v with ``q_scale``, ``k_scale``,
+    ``v_scale`` (each a number, one per head [B, H], or per block: q [B, Hq, cdiv(Nq, 128)], k [B, Hkv,
+    cdiv(Nk, 128)], v per channel [B, Hkv, d]; a v laid out keys-contiguous, as quantize_qkv returns it, is
+    read in place) and get ``out_dtype`` (default bfloat16). The probabilities are scaled by 256 before their
+    e4m3 cast so that small ones keep their bits. Registered as ``torch.ops.tilefuse.attention_fp8``.
     """
+    if fp8 is not False:
+        if fp8 is not True:
+            raise TypeError(f"fp8 must be a bool, got {fp8!r}")
+        unsupported = [name for name, value in (("block_mask", block_mask), ("softcap", softcap),
+                                                ("alibi_slopes", alibi_slopes)) if value is not None]
+        if return_lse:
+            unsupported.append("return_lse")
+        if unsupported:
+            raise NotImplementedError(f"fp8=True does not support {', '.join(unsupported)}")
+        if window is not None and (not isinstance(window, (tuple, list)) or len(window) != 2 or not all(
+                isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
+            raise ValueError(f"window must be None or (left, right) with ints >= -1, got {window!r}")
+        _check_scale(scale)
+        return fp8_attention.attention_fp8(q, k, v, causal=causal, window=window, scale=scale, q_scale=q_scale,
+                                           k_scale=k_scale, v_scale=v_scale, rotate=rotate, out_dtype=out_dtype)
+    for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale), ("out_dtype", out_dtype)):
+        if value is not None:
+            raise ValueError(f"{name} is only for fp8=True")
+    if rotate is not None:
+        raise ValueError("rotate is only for fp8=True")
     if block_mask is not None:
         return _block_sparse_attention(q, k, v, block_mask, causal, window, scale, return_lse, deterministic,
                                        softcap, alibi_slopes)

@@ -20,7 +20,7 @@ import triton
 
 from tilefuse import runtime, sizes, tuning
 from tilefuse.kernels import fastpath, launches
-from tilefuse.kernels.attention import ws, ws_backward, ws_backward_wide
+from tilefuse.kernels.attention import fp8, ws, ws_backward, ws_backward_wide, ws_fp8
 from tilefuse.kernels.attention.common import MAX_GRID_Y, descriptors_usable
 from tilefuse.kernels.attention.portable import attention_fwd_kernel
 from tilefuse.kernels.gluon_host import host_descriptor
@@ -824,3 +824,86 @@ def _block_sparse_backward(dout, q, k, v, out, lse, dlse, mask_tensors, block_q,
     launches.record("block_sparse_attention_backward", path, "block_sparse: rowdot, dk/dv, dq (no atomics)",
                     lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} mask {block_q}x{block_k}")
     return dq, dk, dv, delta
+
+
+# ---- FP8 forward (fp8.py; ws_fp8.py on sm_90) -------------------------------------------------------
+# "auto": the warp-specialized FP8 kernel where it applies, else the portable one; "portable" forces that
+# (benchmarks compare the two).
+FP8_KERNEL = "auto"
+# The portable FP8 kernel's tiles: BLOCK_M and BLOCK_N divide fp8.QUANT_BLOCK (one scale per tile).
+FP8_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+FP8_INTERPRETER_CONFIG = dict(BLOCK_M=64, BLOCK_N=64)
+QUANT_INTERPRETER_ROWS = 64  # the V pass's row chunk in the interpreter (its cost is per program)
+
+
+def quantize_blocks(t: torch.Tensor, rotation, path) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [B, H, N, d] (any strides, 16/32-bit) -> (e4m3 [B, H, N, d] contiguous, fp32 scales [B, H, cdiv(N,
+    QUANT_BLOCK)]); ``rotation``: None or the ±1 [d, d] matrix (d a power of two), applied first."""
+    B, H, N, d = t.shape
+    dst = torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device)
+    blocks = cdiv(N, fp8.QUANT_BLOCK)
+    scales = torch.empty((B, H, blocks), dtype=torch.float32, device=t.device)
+    fastpath.launch(fp8.quantize_blocks_kernel, (blocks, B * H), (
+        t, dst, scales, rotation if rotation is not None else scales, H, N, d, *t.stride(), *dst.stride()),
+        dict(ROTATE=rotation is not None, INTERPRETER=path == runtime.INTERPRETER, BLOCK_R=fp8.QUANT_BLOCK, BLOCK_D=max(16, next_pow2(d)),
+             **({} if path == runtime.INTERPRETER else dict(num_warps=8))))
+    return dst, scales
+
+
+def quantize_channels_transposed(t: torch.Tensor, path) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [B, H, N, d] -> (e4m3 [B, H, N, d] view of a contiguous [B, H, d, N] buffer (keys contiguous, the
+    layout FP8 wgmma reads for P @ V), fp32 per-channel scales [B, H, d])."""
+    B, H, N, d = t.shape
+    dst = torch.empty((B, H, d, N), dtype=torch.float8_e4m3fn, device=t.device).transpose(2, 3)
+    scales = torch.empty((B, H, d), dtype=torch.float32, device=t.device)
+    block_c = 32 if d > 32 else max(16, next_pow2(d))
+    interpret = path == runtime.INTERPRETER
+    fastpath.launch(fp8.quantize_channels_kernel, (cdiv(d, block_c), B * H), (
+        t, dst, scales, H, N, d, *t.stride(), *dst.stride()),
+        dict(BLOCK_R=QUANT_INTERPRETER_ROWS if interpret else 256, BLOCK_C=block_c,
+             **({} if interpret else dict(num_warps=8))))
+    return dst, scales
+
+
+# The warp-specialized FP8 kernel's ring: 128-key tiles (one K scale each), three stages in 148 KB at d 128
+# (sm_90a, no spills; two take 115 KB).
+FP8_WS_CONFIG = dict(BLOCK_N=128, STAGES=3)
+
+
+def fp8_ws_usable(q, k, v_t, out) -> bool:
+    """The cases the warp-specialized FP8 kernel takes: sm_90, head dim 64 or 128, a 16-bit output, and q, k,
+    v^T [B, Hkv, d, Nk] and out TMA-able (so Nk a multiple of 16)."""
+    return (q.is_cuda and runtime.device_facts(q.device)[0] == 9 and q.shape[-1] in ws_fp8.SUPPORTED_HEAD_DIMS
+            and out.dtype in (torch.float16, torch.bfloat16) and descriptors_usable(q, k, v_t, out))
+
+
+def forward_fp8(q, k, v, q_scale, k_scale, v_scale, scale: float, pos_offset: int, window_left: int,
+                window_right: int, out_dtype, path):
+    """out [B, Hq, Nq, d] in ``out_dtype`` for e4m3 q [B, Hq, Nq, d], k [B, Hkv, Nk, d] and v [B, Hkv, Nk, d]
+    with keys contiguous (v.stride(2) == 1), fp32 scales q [B, Hq, cdiv(Nq, 128)], k [B, Hkv, cdiv(Nk,
+    128)], v [B, Hkv, d] contiguous; Nq, Nk >= 1. Runs the warp-specialized kernel (ws_fp8.py) where
+    ``fp8_ws_usable`` and FP8_KERNEL allow, the portable one (fp8.py) elsewhere."""
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    out = torch.empty((B, Hq, Nq, d), dtype=out_dtype, device=q.device)
+    interpret = path == runtime.INTERPRETER
+    vt = v.transpose(2, 3)  # [B, Hkv, d, Nk], keys contiguous
+    flat = B * Hq > MAX_GRID_Y
+    windows = (scale * LOG2E, pos_offset, max(window_left, 0), max(window_right, 0))
+    flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, FLAT_GRID=flat)
+    if FP8_KERNEL == "auto" and not interpret and fp8_ws_usable(q, k, vt, out):
+        ensure_descriptor_allocator()
+        fastpath.launch(ws_fp8.attention_fp8_ws_kernel, _grid(Nq, ws.BLOCK_M.value, B * Hq), (
+            q, k, vt, out, q_scale, k_scale, v_scale, B, Hq, Hkv, Nq, Nk, d, *q.stride()[:3], *k.stride()[:3],
+            *vt.stride()[:3], *out.stride()[:3], *windows),
+            dict(HEAD_D=d, **flags, **FP8_WS_CONFIG, num_warps=4, maxnreg=ws.LAUNCH_MAXNREG))
+        launches.record("attention_fp8", path, "ws", lambda: tuning.describe(dict(BLOCK_M=ws.BLOCK_M.value,
+                                                                                   **FP8_WS_CONFIG)))
+        return out
+    cfg = FP8_INTERPRETER_CONFIG if interpret else FP8_CONFIG
+    fastpath.launch(fp8.attention_fp8_fwd_kernel, _grid(Nq, cfg["BLOCK_M"], B * Hq), (
+        q, k, vt, out, q_scale, k_scale, v_scale, *q.stride(), *k.stride(), *vt.stride(), *out.stride(),
+        Hq, Nq, Nk, d, Hq // Hkv, *windows, sizes.m_bucket(Nq), sizes.m_bucket(Nk)),
+        dict(QBLOCK=fp8.QUANT_BLOCK, BLOCK_D=max(16, next_pow2(d)), **flags, **cfg))
+    launches.record("attention_fp8", path, "portable", lambda: tuning.describe(cfg))
+    return out
