@@ -115,7 +115,8 @@ def check():
         q = torch.randn(B, Hq, Nq, d, device="cuda", generator=g).bfloat16()
         k, v = (torch.randn(B, Hkv, Nk, d, device="cuda", generator=g).bfloat16() for _ in range(2))
         r = tilefuse.quantize_qkv(q, k, v)
-        left, right = window if window else (-1, 0 if causal else -1)
+        left, right = window if window else (-1, -1)
+        right = 0 if causal else right
         emu = ref_fp8.attention_fp8_tiled(r.q, r.q_scale, r.k, r.k_scale, r.v, r.v_scale, d ** -0.5, Nk - Nq, left,
                                           right, block_n=128)
         for kernel in ("auto", "portable"):

@@ -33,20 +33,25 @@ def _truth(q, k, v, causal=False, window=None):
                                    causal=causal, window=window)
 
 
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,d,causal,window", [
-    (1, 2, 1, 70, 133, 64, False, None),     # GQA, ragged tiles, Nq < Nk (bottom-right aligned)
-    (2, 2, 2, 130, 130, 40, True, None),     # head dim masked to 64, causal across a scale block edge
-    (1, 2, 2, 33, 200, 32, False, (50, 10)),  # a window on both sides
-    (1, 1, 1, 1, 300, 16, True, None),       # one query row (decode)
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,d,causal,window,descriptors", [
+    (1, 2, 1, 70, 133, 64, False, None, False),     # GQA, ragged tiles, Nq < Nk (bottom-right aligned)
+    (2, 2, 2, 130, 130, 40, True, None, False),     # head dim masked to 64, causal across a scale block edge
+    (1, 2, 2, 33, 200, 32, False, (50, 10), False),  # a window on both sides
+    (1, 2, 1, 100, 144, 64, True, (40, -1), True),  # causal with a left window, through descriptors
+    (1, 1, 1, 1, 300, 16, True, None, False),       # one query row (decode)
 ])
-def test_kernel_matches_the_same_math(B, Hq, Hkv, Nq, Nk, d, causal, window):
-    """The portable FP8 kernel and the tile-by-tile emulation take the same e4m3 inputs and agree to fp32
-    rounding (the exp2s and the dot's summation order differ): well below e4m3's own ~3% step."""
+def test_kernel_matches_the_same_math(B, Hq, Hkv, Nq, Nk, d, causal, window, descriptors, monkeypatch):
+    """The portable FP8 kernel (pointer loads, or descriptors as on sm_90) and the tile-by-tile emulation take
+    the same e4m3 inputs and agree to fp32 rounding (the exp2s and the dot's summation order differ): well below
+    e4m3's own ~3% step."""
+    from tilefuse.kernels.attention import launch
+    monkeypatch.setattr(launch, "FP8_DESCRIPTORS", descriptors)
     q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, d)
     r = quantize_qkv(q, k, v)
     out = tilefuse.attention(r.q, r.k, r.v, causal=causal, window=window, fp8=True, q_scale=r.q_scale,
                              k_scale=r.k_scale, v_scale=r.v_scale, out_dtype=torch.float32)
-    left, right = window if window else (-1, 0 if causal else -1)
+    left, right = window if window else (-1, -1)
+    right = 0 if causal else right
     emu = ref_fp8.attention_fp8_tiled(r.q, r.q_scale, r.k, r.k_scale, r.v, r.v_scale, d ** -0.5, Nk - Nq, left, right)
     assert out.dtype == torch.float32 and out.shape == (B, Hq, Nq, d)
     assert _rel(out, emu) < 2e-4

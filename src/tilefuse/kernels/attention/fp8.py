@@ -116,21 +116,27 @@ def quantize_channels_kernel(src_ptr, dst_ptr, scale_ptr, H, N, D,
 
 
 @triton.jit
-def _attend_fp8_stage(acc, l_i, m_i, q, k_base, vt_base, ks_base, offs_m, pos_m, offs_d, mask_d,
+def _attend_fp8_stage(acc, l_i, m_i, q, k_src, vt_src, ks_base, b, h_kv, offs_m, pos_m, offs_d, mask_d,
                       start_n, end_n, N_K, window_left, window_right, qk_scale,
                       stride_kn, stride_kd, stride_vd, stride_vn,
                       APPLY_BOUNDS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                      QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+                      USE_DESC: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
     """Folds the key tiles [start_n, end_n) into (acc, l_i, m_i); ``qk_scale`` already holds the query
-    block's scale, each tile multiplies its own key scale in."""
+    block's scale, each tile multiplies its own key scale in. K and V^T come through descriptors (USE_DESC:
+    zero-filled past Nk and d) or masked pointer loads from their head's base pointers."""
     offs_n_base = tl.arange(0, BLOCK_N)
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + offs_n_base
-        in_keys = offs_n < N_K
-        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=in_keys[:, None] & mask_d[None, :], other=0.0)
-        vt = tl.load(vt_base + offs_d.to(tl.int64)[:, None] * stride_vd + offs_n[None, :] * stride_vn,
-                     mask=mask_d[:, None] & in_keys[None, :], other=0.0)
+        if USE_DESC:
+            k = k_src.load([b, h_kv, start, 0]).reshape(BLOCK_N, BLOCK_D)
+            vt = vt_src.load([b, h_kv, 0, start]).reshape(BLOCK_D, BLOCK_N)
+        else:
+            in_keys = offs_n < N_K
+            k = tl.load(k_src + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                        mask=in_keys[:, None] & mask_d[None, :], other=0.0)
+            vt = tl.load(vt_src + offs_d.to(tl.int64)[:, None] * stride_vd + offs_n[None, :] * stride_vn,
+                         mask=mask_d[:, None] & in_keys[None, :], other=0.0)
         k_scale = tl.load(ks_base + start // QBLOCK)
         s = tl.dot(q, tl.trans(k)) * (qk_scale * k_scale)
         if APPLY_BOUNDS:
@@ -154,7 +160,8 @@ def _attend_fp8_stage(acc, l_i, m_i, q, k_base, vt_base, ks_base, offs_m, pos_m,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["H_Q", "N_Q", "N_K", "HEAD_DIM", "pos_offset", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["H_Q", "N_Q", "N_K", "HEAD_DIM", "pos_offset", "window_left", "window_right", "B",
+                               "H_KV"])
 def attention_fp8_fwd_kernel(
     q_ptr, k_ptr, vt_ptr, o_ptr, qs_ptr, ks_ptr, vs_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -165,7 +172,8 @@ def attention_fp8_fwd_kernel(
     qk_scale,  # sm_scale * log2(e)
     pos_offset, window_left, window_right,
     Q_BUCKET, K_BUCKET,  # autotune keys only
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, QBLOCK: tl.constexpr,
+    B, H_KV,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, QBLOCK: tl.constexpr, USE_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr = False,
 ):
     """Scales: qs fp32 [B, Hq, cdiv(Nq, QBLOCK)], ks fp32 [B, Hkv, cdiv(Nk, QBLOCK)], vs fp32 [B, Hkv, d], all
@@ -184,30 +192,42 @@ def attention_fp8_fwd_kernel(
     lo_tile, hi, full_start, full_end = key_tile_ranges(m0, BLOCK_M, N_Q, N_K, pos_offset, window_left,
                                                         window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
 
-    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-    vt_base = vt_ptr + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
     ks_base = ks_ptr + bh_kv.to(tl.int64) * tl.cdiv(N_K, QBLOCK)
-    q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if USE_DESC:  # the GPU path: no per-element addresses in registers
+        k_src = tl.make_tensor_descriptor(k_ptr, shape=[B, H_KV, N_K, HEAD_DIM],
+                                          strides=[stride_kb, stride_kh, stride_kn, 1],
+                                          block_shape=[1, 1, BLOCK_N, BLOCK_D])
+        vt_src = tl.make_tensor_descriptor(vt_ptr, shape=[B, H_KV, HEAD_DIM, N_K],
+                                           strides=[stride_vb, stride_vh, stride_vd, 1],
+                                           block_shape=[1, 1, BLOCK_D, BLOCK_N])
+        q_desc = tl.make_tensor_descriptor(q_ptr, shape=[B, H_Q, N_Q, HEAD_DIM],
+                                           strides=[stride_qb, stride_qh, stride_qm, 1],
+                                           block_shape=[1, 1, BLOCK_M, BLOCK_D])
+        q = q_desc.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        k_src = k_ptr + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+        vt_src = vt_ptr + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     qk_scale = qk_scale * tl.load(qs_ptr + pid_bh.to(tl.int64) * tl.cdiv(N_Q, QBLOCK) + m0 // QBLOCK)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     # Masked lead-in (left window edge), unmasked middle, masked tail (diagonal, right edge, ragged end).
-    acc, l_i, m_i = _attend_fp8_stage(acc, l_i, m_i, q, k_base, vt_base, ks_base, offs_m, pos_m, offs_d, mask_d,
+    acc, l_i, m_i = _attend_fp8_stage(acc, l_i, m_i, q, k_src, vt_src, ks_base, b, h_kv, offs_m, pos_m, offs_d, mask_d,
                                       lo_tile, full_start, N_K, window_left, window_right, qk_scale,
                                       stride_kn, stride_kd, stride_vd, stride_vn, True, HAS_LEFT, HAS_RIGHT,
-                                      QBLOCK, BLOCK_N)
-    acc, l_i, m_i = _attend_fp8_stage(acc, l_i, m_i, q, k_base, vt_base, ks_base, offs_m, pos_m, offs_d, mask_d,
+                                      USE_DESC, QBLOCK, BLOCK_N, BLOCK_D)
+    acc, l_i, m_i = _attend_fp8_stage(acc, l_i, m_i, q, k_src, vt_src, ks_base, b, h_kv, offs_m, pos_m, offs_d, mask_d,
                                       full_start, full_end, N_K, window_left, window_right, qk_scale,
                                       stride_kn, stride_kd, stride_vd, stride_vn, False, HAS_LEFT, HAS_RIGHT,
-                                      QBLOCK, BLOCK_N)
-    acc, l_i, m_i = _attend_fp8_stage(acc, l_i, m_i, q, k_base, vt_base, ks_base, offs_m, pos_m, offs_d, mask_d,
+                                      USE_DESC, QBLOCK, BLOCK_N, BLOCK_D)
+    acc, l_i, m_i = _attend_fp8_stage(acc, l_i, m_i, q, k_src, vt_src, ks_base, b, h_kv, offs_m, pos_m, offs_d, mask_d,
                                       full_end, hi, N_K, window_left, window_right, qk_scale,
                                       stride_kn, stride_kd, stride_vd, stride_vn, True, HAS_LEFT, HAS_RIGHT,
-                                      QBLOCK, BLOCK_N)
+                                      USE_DESC, QBLOCK, BLOCK_N, BLOCK_D)
 
     # Rows that saw no key give 0. P_SCALE and V's channel scales come out here, once per output.
     v_scale = tl.load(vs_ptr + bh_kv.to(tl.int64) * HEAD_DIM + offs_d, mask=mask_d, other=0.0)

@@ -830,6 +830,7 @@ def _block_sparse_backward(dout, q, k, v, out, lse, dlse, mask_tensors, block_q,
 # "auto": the warp-specialized FP8 kernel where it applies, else the portable one; "portable" forces that
 # (benchmarks compare the two).
 FP8_KERNEL = "auto"
+FP8_DESCRIPTORS = None  # the portable kernel's loads: None decides per call (see forward_fp8); tests force both
 # The portable FP8 kernel's tiles: BLOCK_M and BLOCK_N divide fp8.QUANT_BLOCK (one scale per tile).
 FP8_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 FP8_INTERPRETER_CONFIG = dict(BLOCK_M=64, BLOCK_N=64)
@@ -901,9 +902,14 @@ def forward_fp8(q, k, v, q_scale, k_scale, v_scale, scale: float, pos_offset: in
                                                                                    **FP8_WS_CONFIG)))
         return out
     cfg = FP8_INTERPRETER_CONFIG if interpret else FP8_CONFIG
+    # Descriptors on sm_90 (TMA-able tensors), pointer loads elsewhere and in the interpreter; tests run both.
+    use_desc = FP8_DESCRIPTORS if FP8_DESCRIPTORS is not None else (
+        not interpret and runtime.device_facts(q.device)[0] >= 9 and descriptors_usable(q, k, vt))
+    if use_desc:
+        ensure_descriptor_allocator()
     fastpath.launch(fp8.attention_fp8_fwd_kernel, _grid(Nq, cfg["BLOCK_M"], B * Hq), (
         q, k, vt, out, q_scale, k_scale, v_scale, *q.stride(), *k.stride(), *vt.stride(), *out.stride(),
-        Hq, Nq, Nk, d, Hq // Hkv, *windows, sizes.m_bucket(Nq), sizes.m_bucket(Nk)),
-        dict(QBLOCK=fp8.QUANT_BLOCK, BLOCK_D=max(16, next_pow2(d)), **flags, **cfg))
+        Hq, Nq, Nk, d, Hq // Hkv, *windows, sizes.m_bucket(Nq), sizes.m_bucket(Nk), B, Hkv),
+        dict(QBLOCK=fp8.QUANT_BLOCK, USE_DESC=use_desc, BLOCK_D=max(16, next_pow2(d)), **flags, **cfg))
     launches.record("attention_fp8", path, "portable", lambda: tuning.describe(cfg))
     return out
