@@ -188,3 +188,22 @@ def test_ops_register_fake_matches():
     torch.library.opcheck(torch.ops.tilefuse.attention_fp8,
                           (r.q, r.q_scale, r.k, r.k_scale, r.v.transpose(2, 3), r.v_scale, 0.25, 4, -1, 0,
                            torch.bfloat16), test_utils=("test_faketensor",))
+
+
+def test_compiles_fullgraph():
+    """torch.compile(fullgraph=True) traces both forms (bf16 inputs through the pre-pass, e4m3 inputs with
+    their scales) into one graph whose results equal the eager calls'."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def fn(q, k, v, q8, qs, k8, ks, v8, vs):
+        return (tilefuse.attention(q, k, v, causal=True, fp8=True),
+                tilefuse.attention(q8, k8, v8, fp8=True, q_scale=qs, k_scale=ks, v_scale=vs))
+
+    q, k, v = _qkv(1, 2, 1, 40, 48, 32, seed=6)
+    r = quantize_qkv(q, k, v)
+    args = (q, k, v, r.q, r.q_scale, r.k, r.k_scale, r.v, r.v_scale)
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(fn, backend=counter, fullgraph=True)(*args)
+    for g, e in zip(got, fn(*args)):
+        assert torch.equal(g, e)
+    assert counter.frame_count == 1

@@ -551,8 +551,7 @@ def test_fp8_attention_ws_compiles(has_right):
 
 def test_fp8_attention_portable_compiles_to_wgmma():
     """The portable FP8 attention at its GPU config, loading through descriptors as it does on sm_90: e4m3 wgmma
-    for QK^T and for P @ V (V^T tiles keys-contiguous), no spills (with pointer loads it spilled at every tile
-    tried: the K and V^T address tiles)."""
+    for QK^T and for P @ V (V^T tiles keys-contiguous), no spills."""
     from tilefuse.kernels.attention.launch import FP8_CONFIG
     cfg = {k: v for k, v in FP8_CONFIG.items() if k not in ("num_warps", "num_stages")}
     sig = {"*": "*fp8e4nv", "o_ptr": "*bf16", "qs_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",

@@ -20,6 +20,38 @@ def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES) -> None:
         raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {names}")
 
 
+MAX_HEAD_DIM = 256  # the attention kernels' widest head
+
+
+def check_qkv(q, k, v, q_name="q", k_name="k", v_name="v", *, ndim=None, min_dim=2, dtypes=FLOAT_DTYPES) -> None:
+    """Attention's q, k, v: tensors of ``dtypes`` with one dtype, on one device, ``ndim`` (or at least
+    ``min_dim``) dimensions, k's head dim q's, in [1, MAX_HEAD_DIM]."""
+    for name, t in ((q_name, q), (k_name, k), (v_name, v)):
+        check_tensor(name, t, dtypes=dtypes)
+        if (ndim is not None and t.dim() != ndim) or t.dim() < min_dim:
+            want = f"{ndim}-D [B, H, N, d]" if ndim is not None else f"at least {min_dim}-D [..., L, E]"
+            raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
+    check_same_dtype(k_name, k, q_name, q)
+    check_same_dtype(v_name, v, q_name, q)
+    check_same_device(k_name, k, q_name, q)
+    check_same_device(v_name, v, q_name, q)
+    d = q.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"{k_name} has head dim {k.shape[-1]} but {q_name} has {d}; they must match")
+    if d > MAX_HEAD_DIM or d < 1:
+        raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
+
+
+def check_kv_heads(q, k, v) -> None:
+    """[B, H, N, d] attention inputs: v shaped as k, one batch, q's heads a multiple of k's (GQA)."""
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}; they must match")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+
+
 def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; they must match")

@@ -18,30 +18,12 @@ from tilefuse import runtime
 from tilefuse.ops import _dispatch, _dtensor
 from tilefuse.ops import fp8_attention
 from tilefuse.ops import paged as paged_ops
-from tilefuse.ops._checks import (check_offsets, check_same_device, check_same_dtype, check_tensor,
-                                  flash_attn_window, grad_needed, score_modifiers)
+from tilefuse.ops._checks import (check_kv_heads, check_offsets, check_qkv, check_same_device,
+                                  check_tensor, flash_attn_window, grad_needed, score_modifiers)
 from tilefuse.masks import BlockMask
 from tilefuse.reference import attention as ref_attention
 
-MAX_HEAD_DIM = 256
 MAX_GRID_Y_BACKWARD = 65535  # the backward kernels put batch * heads on the grid's second axis
-
-
-def _check_qkv_common(q, k, v, q_name="q", k_name="k", v_name="v", *, ndim=None, min_dim=2):
-    for name, t in ((q_name, q), (k_name, k), (v_name, v)):
-        check_tensor(name, t)
-        if (ndim is not None and t.dim() != ndim) or t.dim() < min_dim:
-            want = f"{ndim}-D [B, H, N, d]" if ndim is not None else f"at least {min_dim}-D [..., L, E]"
-            raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
-    check_same_dtype(k_name, k, q_name, q)
-    check_same_dtype(v_name, v, q_name, q)
-    check_same_device(k_name, k, q_name, q)
-    check_same_device(v_name, v, q_name, q)
-    d = q.shape[-1]
-    if k.shape[-1] != d:
-        raise ValueError(f"{k_name} has head dim {k.shape[-1]} but {q_name} has {d}; they must match")
-    if d > MAX_HEAD_DIM or d < 1:
-        raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
 
 
 def _check_scale(scale):
@@ -467,13 +449,8 @@ def _block_sparse_attention(q, k, v, block_mask, causal, window, scale, return_l
     cast = _dispatch.autocast_dtype(q) if isinstance(q, torch.Tensor) else None
     if cast is not None:  # as torch's SDPA under autocast
         q, k, v = _dispatch.cast_floats(cast, q, k, v)
-    _check_qkv_common(q, k, v, ndim=4)
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}; they must match")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    check_qkv(q, k, v, ndim=4)
+    check_kv_heads(q, k, v)
     if k.shape[2] == 0:
         raise ValueError("k must hold at least one key position with block_mask")
     _check_scale(scale)
@@ -575,13 +552,8 @@ def _attention(q, k, v, causal, window, scale, return_lse, deterministic, softca
     cast = _dispatch.autocast_dtype(q) if isinstance(q, torch.Tensor) else None
     if cast is not None:  # as torch's SDPA under autocast
         q, k, v = _dispatch.cast_floats(cast, q, k, v)
-    _check_qkv_common(q, k, v, ndim=4)
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}; they must match")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    check_qkv(q, k, v, ndim=4)
+    check_kv_heads(q, k, v)
     if window is not None:
         if (not isinstance(window, (tuple, list)) or len(window) != 2
                 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
@@ -664,7 +636,7 @@ def sdpa_heads_last(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         query, key, value = _dispatch.cast_floats(cast, query, key, value)
         if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(cast)
-    _check_qkv_common(query, key, value, "query", "key", "value")
+    check_qkv(query, key, value, "query", "key", "value")
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"value head dim {value.shape[-1]} != query head dim "
                                   f"{query.shape[-1]}: not supported")
@@ -776,7 +748,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if k.shape != v.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (q, k, v))  # [1, H, total, d] views, no copy
-    _check_qkv_common(q4, k4, v4, ndim=4)
+    check_qkv(q4, k4, v4, ndim=4)
     Hq, Hkv = q.shape[1], k.shape[1]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv})")

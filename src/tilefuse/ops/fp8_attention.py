@@ -13,7 +13,8 @@ import torch
 
 from tilefuse import runtime
 from tilefuse.ops import _dispatch
-from tilefuse.ops._checks import check_fp8_device, check_no_grad_needed, check_same_device, check_tensor
+from tilefuse.ops._checks import (FLOAT_DTYPES, check_fp8_device, check_kv_heads, check_no_grad_needed, check_qkv,
+                                  check_tensor)
 from tilefuse.reference import fp8_attention as ref_fp8
 
 FP8 = torch.float8_e4m3fn
@@ -103,22 +104,10 @@ def _(q, q_scale, k, k_scale, v_t, v_scale, scale, pos_offset, window_left, wind
     return q.new_empty(q.shape, dtype=out_dtype)
 
 
-def _check_shapes(q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, H, N, d], got shape {tuple(t.shape)}")
-    check_same_device("k", k, "q", q)
-    check_same_device("v", v, "q", q)
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}; they must match")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k has head dim {k.shape[-1]} but q has {q.shape[-1]}; they must match")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
-    if not 1 <= q.shape[-1] <= 256:
-        raise ValueError(f"head dim must be in [1, 256], got {q.shape[-1]}")
+def _check_inputs(q, k, v, dtypes=FLOAT_DTYPES):
+    """tilefuse.ops._checks' attention checks (dtypes, devices, [B, H, N, d] shapes, head dims, GQA)."""
+    check_qkv(q, k, v, ndim=4, dtypes=dtypes)
+    check_kv_heads(q, k, v)
 
 
 def _power_of_two(d: int) -> bool:
@@ -134,11 +123,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotate: b
     to float64 than without; on Gaussian inputs the same). ``None`` (default): rotate where d is a power of two.
     Pass the result's fields to attention:
     ``attention(r.q, r.k, r.v, fp8=True, q_scale=r.q_scale, k_scale=r.k_scale, v_scale=r.v_scale)``."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t)
-    _check_shapes(q, k, v)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_inputs(q, k, v)
     if rotate is not None and not isinstance(rotate, bool):
         raise TypeError(f"rotate must be None or a bool, got {type(rotate).__name__}")
     d = q.shape[-1]
@@ -178,11 +163,13 @@ def _scales(name: str, s, lead: tuple, full: int, what: str, device) -> torch.Te
 def attention_fp8(q, k, v, *, causal=False, window=None, scale=None, q_scale=None, k_scale=None, v_scale=None,
                   rotate=None, out_dtype=None):
     """FP8 attention forward (tilefuse.attention with ``fp8=True``; its docstring has the arguments)."""
-    _check_shapes(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES + (FP8,))
     given = (q.dtype == FP8, k.dtype == FP8, v.dtype == FP8)
     if any(given) and not all(given):
         raise TypeError(f"q, k and v must be all float8_e4m3fn (with their scales) or all 16/32-bit, got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    _check_inputs(q, k, v, FLOAT_DTYPES + (FP8,))
     if out_dtype is not None and out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be None or one of bfloat16, float16, float32, got {out_dtype}")
     left, right = tuple(window) if window is not None else (-1, -1)

@@ -15,11 +15,12 @@ import math
 
 import torch
 
+from tilefuse import constants
 from tilefuse.reference.attention import visibility
 
-E4M3_MAX = 448.0
-QUANT_BLOCK = 128
-P_SCALE = 256.0
+E4M3_MAX = constants.E4M3_MAX
+QUANT_BLOCK = constants.FP8_ATTENTION_BLOCK
+P_SCALE = constants.FP8_P_SCALE
 LOG2E = 1.4426950408889634
 _ROTATIONS: dict = {}
 

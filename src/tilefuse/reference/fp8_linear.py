@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from tilefuse import constants
 from tilefuse.reference.linear import activation as apply_activation
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3 value
+FP8_MAX = constants.E4M3_MAX
 # The smallest row amax a scale is made from: the scale amax / 448 stays a normal fp32 number and the
 # reciprocal 448 / amax finite (a row of tinier values is quantized as if its amax were this).
 MIN_AMAX = FP8_MAX * 2.0 ** -126

@@ -28,13 +28,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tilefuse import constants
 from tilefuse.kernels import cache_keys
 from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head
 
-E4M3_MAX = tl.constexpr(448.0)
-# Q and K rows per scale: the warp-specialized kernel's 128-row CTA and 128-key tile each take one scale.
-QUANT_BLOCK = 128
-P_SCALE = tl.constexpr(256.0)  # p <= 1 maps to <= 256 < 448; the smallest normal p is then 2^-14
+E4M3_MAX = tl.constexpr(constants.E4M3_MAX)
+QUANT_BLOCK = constants.FP8_ATTENTION_BLOCK  # Q and K rows per scale
+P_SCALE = tl.constexpr(constants.FP8_P_SCALE)
 
 
 @triton.jit

@@ -8,6 +8,10 @@
 - Block-sparse attention (block_sparse.py, a tilefuse.masks.BlockMask): its forward, and its dQ and dK/dV passes
   after the portable row-dot, in the portable kernels' tiles cut to the mask's (``block_sparse_forward``,
   ``block_sparse_backward``).
+- FP8 forward (``forward_fp8``, after the pre-pass's ``quantize_blocks`` / ``quantize_channels_transposed``): the
+  warp-specialized FP8 kernel (ws_fp8.py) on sm_90 at head dims 64 and 128 with a 16-bit output and TMA-able
+  tensors (FP8_KERNEL "auto"), the portable FP8 kernel (fp8.py) elsewhere, through descriptors on sm_90
+  (FP8_DESCRIPTORS None) and pointer loads otherwise. No vendor candidate (SDPA has no FP8 forward in torch).
 - The vendor candidates, forward and backward: SDPA's cuDNN and flash kernels (torch's CPU flash kernel off CUDA)
   where their semantics are the call's (``sdpa_candidates``), chosen against tilefuse's by measurement per shape
   bucket (FORWARD_CHOICE, BACKWARD_CHOICE; ``tuning.choices``).

@@ -266,6 +266,28 @@ def _producer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
         it += 1
 
 
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """The mbarriers of a producer and two consumers, initialised: (q_ready [2], k_ready, v_ready, k_empty,
+    v_empty [STAGES], turns [2]); each K/V buffer is released by both consumers. Shared by this kernel and
+    the FP8 one (ws_fp8.py)."""
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(turns.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    return q_ready, k_ready, v_ready, k_empty, v_empty, turns
+
+
 # Sizes and positions are never specialised to the constant 1 (one compiled kernel per flag set).
 @gluon.jit(do_not_specialize=["B", "H_Q", "H_KV", "N_Q", "N_K", "pos_offset", "window_left", "window_right"])
 def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N_Q, N_K, D,
@@ -309,24 +331,10 @@ def attention_fwd_ws_kernel(q_src, k_src, v_src, o_src, lse_ptr, B, H_Q, H_KV, N
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(turns.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release each buffer
-        mbarrier.init(v_empty.index(i), count=2)
 
     descs = (q_desc, k_desc, v_desc, o_desc, lse_ptr)
     bufs = (q_bufs, k_bufs, v_bufs)
-    bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turns)
+    bars = ring_barriers(STAGES)
     params = (b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, H_Q // H_KV, pid_bh)
     # Constexprs go as separate arguments (inside a tuple they would become runtime values).
     gl.warp_specialize([

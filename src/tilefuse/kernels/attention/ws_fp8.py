@@ -21,13 +21,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from tilefuse import constants
 from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head
 from tilefuse.kernels.attention.ws import (BLOCK_M, CONSUMER_REGS, HALF_M, LAUNCH_MAXNREG, PRODUCER_REGS,
-                                           _online_softmax_step)
+                                           _online_softmax_step, ring_barriers)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
-QBLOCK = gl.constexpr(128)  # rows per Q/K scale (fp8.QUANT_BLOCK)
-P_SCALE = gl.constexpr(256.0)
+QBLOCK = gl.constexpr(constants.FP8_ATTENTION_BLOCK)  # rows per Q/K scale
+P_SCALE = gl.constexpr(constants.FP8_P_SCALE)
 
 
 @gluon.constexpr_function
@@ -212,24 +213,10 @@ def attention_fp8_ws_kernel(q_ptr, k_ptr, vt_ptr, o_ptr, qs_ptr, ks_ptr, vs_ptr,
     k_bufs = gl.allocate_shared_memory(elem, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(elem, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(turns.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release each buffer
-        mbarrier.init(v_empty.index(i), count=2)
 
     descs = (q_desc, k_desc, v_desc, o_desc, qs_ptr, ks_ptr, vs_ptr)
     bufs = (q_bufs, k_bufs, v_bufs, o_bufs)
-    bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turns)
+    bars = ring_barriers(STAGES)
     params = (b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, H_Q // H_KV, pid_bh,
               D, H_KV)
     gl.warp_specialize([

@@ -20,14 +20,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tilefuse import constants
 from tilefuse.kernels import cache_keys
 from tilefuse.kernels.activations import apply_activation
 from tilefuse.kernels.tiling import column_halves, grouped_tile
 
 # Globals read inside @triton.jit must be tl.constexpr. The values are reference/fp8_linear.py's, whose
 # emulation the tests compare bit for bit.
-FP8_MAX = tl.constexpr(448.0)
-MIN_AMAX = tl.constexpr(448.0 * 2.0 ** -126)
+FP8_MAX = tl.constexpr(constants.E4M3_MAX)
+MIN_AMAX = tl.constexpr(constants.E4M3_MAX * 2.0 ** -126)
 _INF = tl.constexpr(float("inf"))  # (no NaN constant: NaN != NaN fails triton's check of a global's value)
 
 
