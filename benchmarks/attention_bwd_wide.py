@@ -2,7 +2,7 @@
 256-wide tiles): the dK/dV pass of src/tilefuse/kernels/attention/ws_backward_wide.py (one consumer warpgroup per
 output; its module doc says why) and ws_backward's dQ pass in 256-wide tiles with ws_backward_wide.DQ_KEYS-key
 K/V steps. The launch layer (kernels/attention/launch.py: ``ws_backward_usable``, ``_backward_ws``) takes them
-for 16-bit, no mask, no soft-cap, ALiBi, left window or packed sequences; ``launch.BACKWARD_WS_WIDE`` switches
+for 16-bit, no mask, no soft-cap, ALiBi, left window or packed sequences; ``switches.attention.BACKWARD_WS_WIDE`` switches
 them off (the portable passes then run there). This file only compiles and times them, through the launch's own
 ``_backward_ws``.
 
@@ -16,6 +16,7 @@ import math
 import sys
 
 import torch
+from tilefuse.kernels import switches
 
 from rows import launch_switches  # benchmarks/rows.py: this script's folder is on sys.path when run by path
 
@@ -60,7 +61,7 @@ def bench():
             return launch.backward(dout, q, k, v, out, lse, None, None, scale, 0, -1, 0 if causal else -1,
                                    "compiled")
 
-        with launch_switches(launch, BACKWARD_WS_WIDE=False):
+        with launch_switches(switches.attention, BACKWARD_WS_WIDE=False):
             dq_ref, dk_ref, dv_ref = portable()
             row = {"case": [B, Hq, Hkv, N, d, causal], "portable_backward_ms": do_bench(portable)}
         flops = 8 * B * Hq * N * N * d * (0.5 if causal else 1.0)  # four GEMMs of 2 * N * N * d

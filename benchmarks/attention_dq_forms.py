@@ -1,6 +1,6 @@
 """The attention backward's two dQ forms on the portable passes, side by side: dQ by its own pass (the default:
 S and dP recomputed a second time, no atomics, bit-identical run to run) and dQ by fp32 atomics inside the dK/dV
-kernel (``launch.BACKWARD_DQ_ATOMIC``: one recompute, an fp32 buffer zeroed and cast, adds in varying order),
+kernel (``switches.attention.BACKWARD_DQ_ATOMIC``: one recompute, an fp32 buffer zeroed and cast, adds in varying order),
 with the warp-specialized passes (Hopper, no mask) beside them where they apply. One JSON row per case: each
 form's median backward ms (do_bench over the backward alone, on one forward's graph), its rel-L2 against the
 default form, and whether two runs of it gave the same bits.
@@ -17,7 +17,7 @@ import triton
 
 import tilefuse
 from rows import collect, launch_switches
-from tilefuse.kernels.attention import launch
+from tilefuse.kernels import switches
 
 # (B, Hq, Hkv, N, d, causal, masked): the forward grid's d 64 / 128 rows at 16k tokens, GQA, and a masked row
 # (a padding mask through scaled_dot_product_attention: the portable passes' own case)
@@ -45,10 +45,10 @@ def measure(case) -> dict:
         mask[:, :, :, N - N // 8:] = False  # the last eighth of the keys padded
     row = dict(case=list(case))
     default = None
-    for name, switches in FORMS.items():
+    for name, values in FORMS.items():
         if name == "warp-specialized passes" and masked:
             continue
-        with launch_switches(launch, **switches):
+        with launch_switches(switches.attention, **values):
             if mask is None:
                 out = tilefuse.attention(q, k, v, causal=causal)
             else:

@@ -17,6 +17,7 @@ import argparse
 import json
 
 import torch
+from tilefuse.kernels import switches
 import torch.nn.functional as F
 
 SHAPES = {"llama3": (8192, 4096, 128256), "gpt2": (8192, 768, 50257)}
@@ -40,7 +41,7 @@ def main() -> int:
         def run(x, w, t):
             # the launch layer's forms (its LCE_TRAINING_FORM): gradients made in the forward, or the chunked
             # forward and the backward that recomputes the logits
-            launch.LCE_TRAINING_FORM, launch.LCE_FORWARD = training, "chunked"
+            switches.gemm.LCE_TRAINING_FORM, switches.gemm.LCE_FORWARD = training, "chunked"
             return tilefuse.linear_cross_entropy(x, w, t, check_targets=False)
         return run
     variants = {"tilefuse (training form)": fused(True), "tilefuse (recomputing form)": fused(False),

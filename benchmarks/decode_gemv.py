@@ -17,6 +17,7 @@ import sys
 import torch
 
 from rows import launch_switches  # benchmarks/rows.py: this script's folder is on sys.path when run by path
+from tilefuse.kernels import switches
 from tilefuse.kernels.gemm.decode import block_m, decode_linear_kernel
 from tilefuse.sizes import cdiv
 
@@ -45,9 +46,8 @@ def linear(x, w, b, activation, config):
 def _split_k_ms(fn):
     """``fn``'s GPU time with the launch's decode kernel switched off (the split-K path it replaced)."""
     from tilefuse.harness.timing import graph_ms
-    from tilefuse.kernels.gemm import launch
 
-    with launch_switches(launch, DECODE_KERNEL=False):
+    with launch_switches(switches.gemm, DECODE_KERNEL=False):
         return graph_ms(fn)
 
 

@@ -19,6 +19,7 @@ from triton.testing import do_bench
 
 import tilefuse
 
+from tilefuse.kernels import switches
 from tilefuse.reference import attention as ref_attention
 from tilefuse.reference import fp8_attention as ref_fp8
 
@@ -59,13 +60,13 @@ def bench(kernel: str):
                 "cudnn bf16": lambda: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=causal),
             }
-            old = launch.FP8_KERNEL
-            launch.FP8_KERNEL = kernel
+            old = switches.attention.FP8_KERNEL
+            switches.attention.FP8_KERNEL = kernel
             try:
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
                     ms = {name: do_bench(fn, warmup=50, rep=300) for name, fn in rows.items()}
             finally:
-                launch.FP8_KERNEL = old
+                switches.attention.FP8_KERNEL = old
             fl = _flops(B, H, N, causal)
             row = dict(shape=f"B{B} H{H} N{N} d{D} {'causal' if causal else 'full'}", kernel=kernel,
                        ms={n: round(t, 4) for n, t in ms.items()},
@@ -84,8 +85,8 @@ def sweep():
                num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
                dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4,
                num_stages=3)]
-    old = (launch.FP8_KERNEL, launch.FP8_CONFIG)
-    launch.FP8_KERNEL = "portable"
+    old = (switches.attention.FP8_KERNEL, launch.FP8_CONFIG)
+    switches.attention.FP8_KERNEL = "portable"
     try:
         for B, H, N in SHAPES:
             for causal in (True, False):
@@ -99,7 +100,7 @@ def sweep():
                                           ms=round(ms, 4), tflops=round(_flops(B, H, N, causal) / ms / 1e9, 1))),
                           flush=True)
     finally:
-        launch.FP8_KERNEL, launch.FP8_CONFIG = old
+        switches.attention.FP8_KERNEL, launch.FP8_CONFIG = old
 
 
 def check():
@@ -120,14 +121,14 @@ def check():
         emu = ref_fp8.attention_fp8_tiled(r.q, r.q_scale, r.k, r.k_scale, r.v, r.v_scale, d ** -0.5, Nk - Nq, left,
                                           right, block_n=128)
         for kernel in ("auto", "portable"):
-            launch.FP8_KERNEL = kernel
+            switches.attention.FP8_KERNEL = kernel
             with launches.recording() as rec:
                 out = tilefuse.attention(r.q, r.k, r.v, causal=causal, window=window, fp8=True, q_scale=r.q_scale,
                                          k_scale=r.k_scale, v_scale=r.v_scale)
             print(json.dumps(dict(case=f"B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} d{d} causal={causal} window={window}",
                                   ran=rec[-1].kernel, rel_vs_emulation=round(_rel(out, emu.double()), 6),
                                   nan=bool(out.isnan().any()))), flush=True)
-        launch.FP8_KERNEL = "auto"
+        switches.attention.FP8_KERNEL = "auto"
 
 
 def accuracy():

@@ -18,6 +18,7 @@ import torch
 from triton.testing import do_bench
 
 import tilefuse
+from tilefuse.kernels import switches
 from tilefuse.kernels.gemm import launch
 from tilefuse.reference import fp8_linear as fp8_reference
 
@@ -29,7 +30,7 @@ def _rel(a, b):
 
 
 def main(fast_accum: bool):
-    launch.FP8_FAST_ACCUM = fast_accum
+    switches.gemm.FP8_FAST_ACCUM = fast_accum
     for M, K, N in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(M + K + N)
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
@@ -64,7 +65,7 @@ def main(fast_accum: bool):
                         scaled_mm=round(_rel(scaled_mm(), truth), 5),
                         per_tensor=round(_rel(fp8_reference.linear_fp8_per_tensor(x, w, b, "gelu"), truth), 5),
                         bf16=round(_rel(rows["tilefuse bf16"](), truth), 5)),
-            config=launch.linear_fp8_tma_tuned.launched_config().__str__()
+            config=launch.fp8.linear_fp8_tma_tuned.launched_config().__str__()
             if hasattr(launch, "linear_fp8_tma_tuned") else None)), flush=True)
 
 

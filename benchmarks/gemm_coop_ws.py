@@ -1,6 +1,6 @@
 """Study script for the cooperative warp-specialized Gluon GEMM (src/tilefuse/kernels/gemm/coop.py: the kernel,
 its configs and host entries live there; this file only compiles and times them). The launch layer
-(kernels/gemm/launch.py: ``coop_backward``, ``coop_gated``) takes it for the linear backward's dx and dW and the
+(kernels/gemm/launch/: ``coop_backward``, ``coop_gated``) takes it for the linear backward's dx and dW and the
 gated forward where it measured faster; these commands compare every config of ``coop.CONFIGS`` with what the
 launch runs otherwise.
 
@@ -21,15 +21,15 @@ import sys
 import torch
 
 from rows import launch_switches  # benchmarks/rows.py: this script's folder is on sys.path when run by path
+from tilefuse.kernels import switches
 from tilefuse.kernels.gemm.coop import (CONFIGS, gated_configs, gated_linear, grad_input, grad_input_gated,
                                         grad_weight, linear)
 
 
 def coop_off():
     """The launch's own choice without the cooperative kernel (its COOP_* switches off)."""
-    from tilefuse.kernels.gemm import launch
 
-    return launch_switches(launch, COOP_BACKWARD=False, COOP_GATED=False)
+    return launch_switches(switches.gemm, COOP_BACKWARD=False, COOP_GATED=False)
 
 
 # ---- commands ----------------------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def bench_gated_dx():
             return launch.linear_backward(dy, x, w_gate, w_up, s_gate, s_up, True, False, False, "compiled")[0]
 
         fastpath.clear_all()
-        with launch_switches(launch, COOP_GATED_DX=False):
+        with launch_switches(switches.gemm, COOP_GATED_DX=False):
             row["launch_rel_l2"] = rel(launch_call(), ref)
             row["launch_ms"] = do_bench(launch_call)
         fastpath.clear_all()

@@ -19,7 +19,7 @@ from tilefuse.harness.timing import bench_ms
 from tilefuse.kernels import launches
 from tilefuse.kernels.gemm import coop
 from tilefuse.kernels.gemm.configs import TMA_GEMM_CONFIGS
-from tilefuse.kernels.gemm.launch import _launch_tma
+from tilefuse.kernels.gemm.launch.forward import launch_tma
 from tilefuse.kernels.gemm.tma import linear_tma_kernel
 from tilefuse.opspecs.linear import BENCH_SHAPES
 
@@ -62,7 +62,7 @@ def main(out_path="gemm_variants.json", dtype_name="bf16"):
         row["dispatch_config"] = f"{records[-1].config} {records[-1].kernel}" if records else "not recorded"
         for v in variants:
             _time_variant(row, "tma " + "_".join(f"{k}{val}" for k, val in v.items()), ref, (M, N), dtype,
-                          lambda y, v=v: _launch_tma(x, w, b, y, "gelu", config=v))
+                          lambda y, v=v: launch_tma(x, w, b, y, "gelu", config=v))
         # The cooperative Gluon kernel: a TMA producer warp, two consumer warpgroups per 128-row tile.
         for c in coop.CONFIGS:
             _time_variant(row, "gluon coop " + c, ref, (M, N), dtype,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tilefuse.kernels import switches
 from tilefuse.kernels.tiling import grouped_tile
 
 
@@ -108,7 +109,7 @@ def bench():
         # The launch with its Hopper dW kernel (BACKWARD_TMA) and with its pointer kernels only.
         outs = {}
         for label, use_tma in (("pointer", False), ("shipped", True)):
-            launch.BACKWARD_TMA = use_tma
+            switches.gemm.BACKWARD_TMA = use_tma
             fastpath.clear_all()
             row[f"{label}_dw_db_ms"] = do_bench(shipped)
             row[f"{label}_dx_ms"] = do_bench(shipped_dx)

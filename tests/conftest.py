@@ -139,7 +139,7 @@ def tma_launch_device(monkeypatch):
     from tilefuse.kernels.gemm import launch
 
     monkeypatch.setattr(runtime, "device_facts", lambda device: (9, 3))
-    monkeypatch.setattr(launch, "tma_device", lambda t: True)
+    monkeypatch.setattr(launch.rules, "tma_device", lambda t: True)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
     return torch.device("cpu")
 

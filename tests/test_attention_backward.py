@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import tilefuse
 from helpers import ON_GPU, assert_close, train_losses
+from tilefuse.kernels import switches
 from tilefuse.opspec import REL_L2_BOUND
 from tilefuse.reference import attention as ref_attention
 
@@ -481,7 +482,7 @@ def test_backward_keeps_the_portable_passes_past_head_dim_128_elsewhere(pinned_t
     elif case == "fp32":
         dtype = torch.float32
     else:
-        monkeypatch.setattr(launch, "BACKWARD_WS_WIDE" if case == "wide switch off" else "BACKWARD_WS", False)
+        monkeypatch.setattr(switches.attention, "BACKWARD_WS_WIDE" if case == "wide switch off" else "BACKWARD_WS", False)
     runs, recs, _ = _stubbed_backward(192, dtype, call=call, **kwargs)
     assert [r.kernel for r in runs] == ["attention_bwd_rowdot_kernel", "attention_bwd_dkdv_kernel",
                                         "attention_bwd_dq_kernel"], runs
@@ -517,14 +518,14 @@ def test_forward_and_backward_allocate_nothing_that_grows_with_n_squared():
 
 @pytest.mark.parametrize("case", ["causal gqa", "mask", "softcap", "varlen"])
 def test_dq_by_atomics_matches_float64(device, monkeypatch, case):
-    """The portable passes' other dQ form (launch.BACKWARD_DQ_ATOMIC: dQ's share of every tile added into an fp32
+    """The portable passes' other dQ form (switches.attention.BACKWARD_DQ_ATOMIC: dQ's share of every tile added into an fp32
     buffer by the dK/dV kernel, no dQ pass): gradients against float64 with GQA and causal bottom-right rows,
     a boolean mask, soft-capping and packed sequences; the record names the form."""
     from tilefuse.kernels import launches
     from tilefuse.kernels.attention import launch
 
-    monkeypatch.setattr(launch, "BACKWARD_DQ_ATOMIC", True)
-    monkeypatch.setattr(launch, "BACKWARD_WS", False)  # the portable passes on a GPU too
+    monkeypatch.setattr(switches.attention, "BACKWARD_DQ_ATOMIC", True)
+    monkeypatch.setattr(switches.attention, "BACKWARD_WS", False)  # the portable passes on a GPU too
     nq, nk = 45, 70
     q, k, v = _r(2, 4, nq, 32, device=device), _r(2, 2, nk, 32, seed=1, device=device), \
         _r(2, 2, nk, 32, seed=2, device=device)
@@ -567,7 +568,7 @@ def test_dq_by_atomics_matches_float64(device, monkeypatch, case):
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("d,kind", [(64, "causal"), (128, "full"), (256, "causal"), (64, "mask")])
 def test_replayed_forward_and_backward_match_the_full_path_bit_for_bit(monkeypatch, d, kind):
-    """With the backward's plans and the host-descriptor replays switched on (launch.BACKWARD_REPLAY,
+    """With the backward's plans and the host-descriptor replays switched on (switches.attention.BACKWARD_REPLAY,
     fastpath.REPLAY_HOST_DESCRIPTORS), a forward and backward on new tensors replays the first call's launches,
     the Gluon kernels' descriptors rebuilt at the new addresses, and gives exactly what the full path gives on
     those tensors (bf16; 1024 query tiles at d 64, past the forward's in-kernel descriptors; a bool mask takes
@@ -575,7 +576,7 @@ def test_replayed_forward_and_backward_match_the_full_path_bit_for_bit(monkeypat
     from tilefuse.kernels import fastpath, launches
     from tilefuse.kernels.attention import launch
 
-    monkeypatch.setattr(launch, "BACKWARD_REPLAY", True)
+    monkeypatch.setattr(switches.attention, "BACKWARD_REPLAY", True)
     monkeypatch.setattr(fastpath, "REPLAY_HOST_DESCRIPTORS", True)
     B, H, N = (2, 16, 4096) if d == 64 else (1, 8, 1024)
     mask = torch.rand(N, N, device="cuda", generator=torch.Generator("cuda").manual_seed(9)) > 0.3 \

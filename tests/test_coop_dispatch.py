@@ -1,7 +1,7 @@
 """Where the launch layer takes the cooperative warp-specialized GEMM (kernels/gemm/coop.py), on any machine.
 
 The Gluon kernel cannot run in the interpreter, so its numbers are checked on the GPU (tests/test_linear.py,
-tests/test_linear_backward.py); here the decisions (``launch.coop_backward``, ``launch.coop_gated``) on meta
+tests/test_linear_backward.py); here the decisions (``launch.rules.coop_backward``, ``launch.rules.coop_gated``) on meta
 tensors of the measured shapes and layouts, and the launches the public training and inference calls make with
 the compiled path stubbed (tests/tools/host_path.py): kernel, grid and constexprs, and what the records say.
 """
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tilefuse
+from tilefuse.kernels import switches
 from tilefuse import runtime
 from tilefuse.kernels import launches
 from tilefuse.kernels.gemm import coop, launch
@@ -29,7 +30,7 @@ COMPILED = runtime.COMPILED
 def hopper(monkeypatch):
     """An sm_90 device of SMS SMs that takes any tensor as TMA-capable (meta tensors: no memory)."""
     monkeypatch.setattr(runtime, "device_facts", lambda device: (9, SMS))
-    monkeypatch.setattr(launch, "tma_device", lambda t: True)
+    monkeypatch.setattr(launch.rules, "tma_device", lambda t: True)
 
 
 def _t(*shape, dtype=BF16):
@@ -43,8 +44,8 @@ def _backward(M, K, N, dtype=BF16, slope=True, conv1d=False, path=COMPILED):
     w = _t(K, N, dtype=dtype).t() if conv1d else _t(N, K, dtype=dtype)  # Conv1D: the [K, N] storage's view
     s = _t(M, N, dtype=dtype) if slope else None
     dw = torch.empty_like(w)  # the launch's dW: the weight's own layout
-    return (launch.coop_backward(_t(M, K, dtype=dtype), dy, s, w, path, "dx"),
-            launch.coop_backward(dw, dy, s, x, path, "dW"))
+    return (launch.rules.coop_backward(_t(M, K, dtype=dtype), dy, s, w, path, "dx"),
+            launch.rules.coop_backward(dw, dy, s, x, path, "dW"))
 
 
 # The backward GEMMs' bench shapes (M, K, N) and where the cooperative kernel measured faster than the launch's
@@ -63,7 +64,7 @@ def test_backward_thresholds(hopper):
     """Exactly the minimum output tiles (dx: one per SM, dW: one per two SMs) and a reduction of exactly
     COOP_MIN_REDUCTION take it; one tile or a 16-byte row step less does not (dx: tiles cdiv(M, 128) *
     cdiv(K, 256), reduction N)."""
-    assert launch.COOP_MIN_REDUCTION == 2048
+    assert launch.rules.COOP_MIN_REDUCTION == 2048
     m = 128 * SMS
     assert _backward(m, 256, 2048)[0]
     assert not _backward(m - 128, 256, 2048)[0]
@@ -90,7 +91,7 @@ def test_backward_keeps_todays_path_outside_its_cases(hopper, monkeypatch, case)
     elif case == "interpreter":
         got = _backward(*shape, path=runtime.INTERPRETER)
     elif case == "switch off":
-        monkeypatch.setattr(launch, "COOP_BACKWARD", False)
+        monkeypatch.setattr(switches.gemm, "COOP_BACKWARD", False)
         got = _backward(*shape)
     elif case == "sm100":
         monkeypatch.setattr(runtime, "device_facts", lambda device: (10, SMS))
@@ -105,13 +106,13 @@ def test_backward_needs_tma_able_dense_rows(hopper):
     do not overlap (a broadcast dy)."""
     M, K, N = 4096, 4096, 4096
     dy, s, w, dx = _t(M, N), _t(M, N), _t(N, K), _t(M, K)
-    assert launch.coop_backward(dx, dy, s, w, COMPILED, "dx")
-    assert not launch.coop_backward(dx, dy, s, _t(N, K, dtype=torch.float16), COMPILED, "dx")  # mixed dtypes
-    assert not launch.coop_backward(dx, _t(M, N + 8)[:, 1:N + 1], s, w, COMPILED, "dx")  # base off 16 bytes
-    assert not launch.coop_backward(dx, dy, s, _t(N, K + 4)[:, :K], COMPILED, "dx")  # W rows 8-byte aligned
-    assert not launch.coop_backward(dx, _t(N, M).t(), s, w, COMPILED, "dx")  # dy column-major
-    assert not launch.coop_backward(dx, _t(1, N).expand(M, N), s, w, COMPILED, "dx")  # one dy row for all
-    assert launch.coop_backward(dx, _t(M, N + 8)[:, :N], s, w, COMPILED, "dx")  # padded rows are fine
+    assert launch.rules.coop_backward(dx, dy, s, w, COMPILED, "dx")
+    assert not launch.rules.coop_backward(dx, dy, s, _t(N, K, dtype=torch.float16), COMPILED, "dx")  # mixed dtypes
+    assert not launch.rules.coop_backward(dx, _t(M, N + 8)[:, 1:N + 1], s, w, COMPILED, "dx")  # base off 16 bytes
+    assert not launch.rules.coop_backward(dx, dy, s, _t(N, K + 4)[:, :K], COMPILED, "dx")  # W rows 8-byte aligned
+    assert not launch.rules.coop_backward(dx, _t(N, M).t(), s, w, COMPILED, "dx")  # dy column-major
+    assert not launch.rules.coop_backward(dx, _t(1, N).expand(M, N), s, w, COMPILED, "dx")  # one dy row for all
+    assert launch.rules.coop_backward(dx, _t(M, N + 8)[:, :N], s, w, COMPILED, "dx")  # padded rows are fine
 
 
 @pytest.mark.parametrize("M,K,N,save_slope,want", [
@@ -122,19 +123,19 @@ def test_backward_needs_tma_able_dense_rows(hopper):
 def test_gated_takes_coop_without_slopes_at_a_tile_per_sm(hopper, M, K, N, save_slope, want):
     """Output tiles of 128 x 128 (COOP_GATED_CONFIG), at least one per SM."""
     x, wg, wu, y = _t(M, K), _t(N, K), _t(N, K), _t(M, N)
-    assert launch.coop_gated(x, wg, wu, y, save_slope, COMPILED) == want
+    assert launch.rules.coop_gated(x, wg, wu, y, save_slope, COMPILED) == want
 
 
 def test_gated_keeps_todays_path_outside_its_cases(hopper, monkeypatch):
     M, K, N = 2048, 4096, 11008
     x, wg, wu, y = _t(M, K), _t(N, K), _t(N, K), _t(M, N)
-    assert launch.coop_gated(x, wg, wu, y, False, COMPILED)
+    assert launch.rules.coop_gated(x, wg, wu, y, False, COMPILED)
     f32 = [_t(*t.shape, dtype=torch.float32) for t in (x, wg, wu, y)]
-    assert not launch.coop_gated(*f32, False, COMPILED)
-    assert not launch.coop_gated(x, wg, wu, y, False, runtime.INTERPRETER)
-    assert not launch.coop_gated(x, _t(K, N).t(), wu, y, False, COMPILED)  # a transposed weight
-    monkeypatch.setattr(launch, "COOP_GATED", False)
-    assert not launch.coop_gated(x, wg, wu, y, False, COMPILED)
+    assert not launch.rules.coop_gated(*f32, False, COMPILED)
+    assert not launch.rules.coop_gated(x, wg, wu, y, False, runtime.INTERPRETER)
+    assert not launch.rules.coop_gated(x, _t(K, N).t(), wu, y, False, COMPILED)  # a transposed weight
+    monkeypatch.setattr(switches.gemm, "COOP_GATED", False)
+    assert not launch.rules.coop_gated(x, wg, wu, y, False, COMPILED)
 
 
 # ---- the public calls, compiled path stubbed -----------------------------------------------------------
@@ -167,7 +168,7 @@ def test_training_backward_launches_the_cooperative_kernel(pinned_tuners):
     assert [r.kernel for r in bwd] == ["gemm_coop_ws_kernel"] * 2
     assert [r.grid for r in bwd] == [(SMS,), (SMS,)]
     common = dict(HAS_SLOPE=True, B_KMAJOR=False, HAS_BIAS=False, ACTIVATION="none", GATED=False,
-                  NUM_SMS=SMS, **{k: v for k, v in coop.CONFIGS[launch.COOP_BACKWARD_CONFIG].items()
+                  NUM_SMS=SMS, **{k: v for k, v in coop.CONFIGS[switches.gemm.COOP_BACKWARD_CONFIG].items()
                                   if k in ("STAGES", "GROUP_M")})
     for run, trans_a in zip(bwd, (False, True)):
         assert {k: run.kwargs[k] for k in common} == common
@@ -200,7 +201,7 @@ def test_training_backward_keeps_todays_kernels_elsewhere(pinned_tuners, monkeyp
     launched before: the tuned pointer dx and the TMA dW."""
     M, K, N = (512, 1024, 1024) if case == "small" else (2100, 2056, 4360)
     if case == "switch off":
-        monkeypatch.setattr(launch, "COOP_BACKWARD", False)
+        monkeypatch.setattr(switches.gemm, "COOP_BACKWARD", False)
     activation = None if case == "no activation" else "gelu"
     _, bwd, kinds = _train_step(M, K, N, activation)
     assert [r.kernel for r in bwd] == ["grad_input_kernel", "grad_weight_tma_kernel"]
@@ -212,7 +213,7 @@ def test_gated_training_backward_with_the_gated_dx_switched_off_takes_the_cooper
     """SwiGLU at (2100, 2056, 4360) with COOP_GATED_DX switched off: dx sums two products (g_gate @ W_gate +
     g_up @ W_up) on the tuned pointer kernel; each branch's dW (+ db) is one product g_branch^T x, with its own
     slope, and takes the cooperative kernel as the plain dW does."""
-    monkeypatch.setattr(launch, "COOP_GATED_DX", False)
+    monkeypatch.setattr(switches.gemm, "COOP_GATED_DX", False)
     _, bwd, kinds = _train_step(2100, 2056, 4360, "swiglu")
     assert [r.kernel for r in bwd] == ["grad_input_kernel", "gemm_coop_ws_kernel", "gemm_coop_ws_kernel"]
     assert all(r.kwargs["TRANS_A"] and r.kwargs["HAS_DB"] and r.kwargs["HAS_SLOPE"] for r in bwd[1:])
@@ -228,11 +229,11 @@ def test_gated_dx_takes_the_cooperative_gated_form(pinned_tuners):
     with both slopes (s_gate, s_up: the two halves the forward saved) and both weights (the [2N, K] weight's two
     halves, row-major as dx reads them) into one dx, on the plain dx's config and grid; the dW launches are
     unchanged."""
-    assert launch.COOP_GATED_DX
+    assert switches.gemm.COOP_GATED_DX
     _, bwd, kinds = _train_step(2100, 2056, 4360, "swiglu")
     assert [r.kernel for r in bwd] == ["gemm_coop_ws_kernel"] * 3
     dx = bwd[0]
-    cfg = coop.CONFIGS[launch.COOP_BACKWARD_CONFIG]
+    cfg = coop.CONFIGS[switches.gemm.COOP_BACKWARD_CONFIG]
     want = dict(GATED_DX=True, HAS_SLOPE=True, TRANS_A=False, B_KMAJOR=False, GATED=False, HAS_DB=False,
                 **{k: v for k, v in cfg.items() if k != "FORWARD_ONLY"})
     assert {k: dx.kwargs[k] for k in want} == want and dx.grid == (SMS,)
@@ -256,7 +257,7 @@ def test_gated_inference_launches_the_cooperative_kernel_and_training_the_tma_ke
         tilefuse.linear(x, w.requires_grad_(), b, "swiglu")
     assert [r.kernel for r in runs] == ["gemm_coop_ws_kernel"] * 2 + ["linear_tma_kernel"]
     assert [r.replay for r in runs] == [False, True, False]
-    cfg = coop.CONFIGS[launch.COOP_GATED_CONFIG]
+    cfg = coop.CONFIGS[switches.gemm.COOP_GATED_CONFIG]
     want = dict(TRANS_A=False, HAS_SLOPE=False, B_KMAJOR=True, HAS_BIAS=True, ACTIVATION="swiglu", GATED=True,
                 HAS_DB=False, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], NUM_SMS=SMS)
     assert {k: runs[0].kwargs[k] for k in want} == want and runs[0].grid == (SMS,)

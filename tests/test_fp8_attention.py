@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import tilefuse
+from tilefuse.kernels import switches
 from tilefuse.ops import _checks
 from tilefuse.ops.fp8_attention import quantize_qkv
 from tilefuse.reference import attention as ref_attention
@@ -45,7 +46,7 @@ def test_kernel_matches_the_same_math(B, Hq, Hkv, Nq, Nk, d, causal, window, des
     the same e4m3 inputs and agree to fp32 rounding (the exp2s and the dot's summation order differ): well below
     e4m3's own ~3% step."""
     from tilefuse.kernels.attention import launch
-    monkeypatch.setattr(launch, "FP8_DESCRIPTORS", descriptors)
+    monkeypatch.setattr(switches.attention, "FP8_DESCRIPTORS", descriptors)
     q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, d)
     r = quantize_qkv(q, k, v)
     out = tilefuse.attention(r.q, r.k, r.v, causal=causal, window=window, fp8=True, q_scale=r.q_scale,

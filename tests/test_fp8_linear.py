@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 import tilefuse
+from tilefuse.kernels import switches
 from tilefuse.ops import _checks
 from helpers import ON_GPU, assert_close, representative
 from tilefuse import reference, runtime
@@ -26,7 +27,7 @@ FP8_BOUND = 5e-2  # against float64 (ENGINEERING.md section 4)
 # 1e-5 for fp32 outputs; 16-bit outputs also by a rounding flip where the order moves a value across a rounding
 # boundary. FP8 tensor cores add products in fewer fraction bits than fp32 (about 13 on Hopper) before the fp32
 # promotion every 128-deep K step: 1e-3 on a GPU; with fast accumulation over the whole K loop
-# (launch.FP8_FAST_ACCUM), 5e-3.
+# (switches.gemm.FP8_FAST_ACCUM), 5e-3.
 SAME_VALUES = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
 
@@ -35,7 +36,7 @@ def _same_values(dtype):
 
     if not ON_GPU:
         return SAME_VALUES[dtype]
-    return max(SAME_VALUES[dtype], 5e-3 if launch.FP8_FAST_ACCUM else 1e-3)
+    return max(SAME_VALUES[dtype], 5e-3 if switches.gemm.FP8_FAST_ACCUM else 1e-3)
 
 
 def _rand(*shape, device, dtype=torch.float32, seed=0, scale=1.0):
@@ -168,8 +169,8 @@ def test_every_tma_config_matches_the_emulation(tma_launch_device, index, activa
     qw = tilefuse.quantize_weight(w)
     x_q, sx = emulation.quantize_rows(x)
     y = torch.full((130, 264), float("nan"), device=x.device)
-    flags = dict(HAS_BIAS=True, ACTIVATION=activation or "none", FAST_ACCUM=launch.FP8_FAST_ACCUM)
-    launch.launch_fp8_tma(x_q, qw.data, sx, qw.scale, b, y, flags, runtime.execution_path(x), config=config)
+    flags = dict(HAS_BIAS=True, ACTIVATION=activation or "none", FAST_ACCUM=switches.gemm.FP8_FAST_ACCUM)
+    launch.fp8.launch_fp8_tma(x_q, qw.data, sx, qw.scale, b, y, flags, runtime.execution_path(x), config=config)
     assert_close(y, _emulated(x, qw, b, activation, torch.float64), _same_values(torch.float32), f"{config}")
 
 

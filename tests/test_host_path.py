@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import triton
 
+from tilefuse.kernels import switches
 from tilefuse import registry, sizes, tuning
 from tilefuse.harness.report import render_markdown
 from tilefuse.kernels import fastpath, launches
@@ -231,8 +232,8 @@ def test_a_choice_times_tilefuses_candidate_as_its_replays_run(pinned_tuners, mo
 
     def run(candidate):  # as linear's entry runs a candidate: tilefuse's full launch path, no plan lookup
         if candidate == "tilefuse":
-            precision = gemm_launch.precision_for(x.dtype, True)
-            return gemm_launch._linear(x, w, b, None, None, "gelu", precision, "compiled", False)
+            precision = gemm_launch.forward.precision_for(x.dtype, True)
+            return gemm_launch.forward.forward_kernels(x, w, b, None, None, "gelu", precision, "compiled", False)
         vendor_calls.append(candidate)
         return torch.nn.functional.linear(x, w, b)
 
@@ -293,7 +294,7 @@ def test_linear_replay_forgets_a_replaced_tuner_cache(pinned_tuners):
     x, w, b = _linear_inputs(512, 1024, 1024)
     with torch.no_grad(), stubbed_launches() as launches:
         tilefuse.linear(x, w, b, "gelu")
-        launch.linear_tma_tuned.cache = {}
+        launch.forward.linear_tma_tuned.cache = {}
         tilefuse.linear(x, w, b, "gelu")
         tilefuse.linear(x, w, b, "gelu")
     assert [launch.replay for launch in launches] == [False, False, True]
@@ -304,13 +305,13 @@ def test_capture_refuses_launches_that_touch_a_temporary(pinned_tuners, monkeypa
     the process (here: a copy of x made inside the launch layer) would replay a dead address: no plan."""
     import tilefuse
     from tilefuse.kernels.gemm import launch
-    real = launch.row_addressing
-    monkeypatch.setattr(launch, "row_addressing", lambda x: real(x.clone()))
+    real = launch.rules.row_addressing
+    monkeypatch.setattr(launch.forward, "row_addressing", lambda x: real(x.clone()))
     x, w, b = _linear_inputs(512, 1024, 1024)
     with torch.no_grad(), stubbed_launches() as launches:
         tilefuse.linear(x, w, b, "gelu")
         tilefuse.linear(x, w, b, "gelu")
-    assert [launch.replay for launch in launches] == [False, False] and len(launch._LINEAR) == 0
+    assert [launch.replay for launch in launches] == [False, False] and len(launch.forward._LINEAR) == 0
 
 
 def _where(ptr, tensors):
@@ -622,7 +623,7 @@ def test_warp_specialized_attention_replays_with_descriptors_at_the_new_calls_ad
     from tilefuse.kernels.attention import launch as attention_launch
 
     monkeypatch.setattr(fastpath, "REPLAY_HOST_DESCRIPTORS", True)
-    monkeypatch.setattr(attention_launch, "BACKWARD_REPLAY", True)
+    monkeypatch.setattr(switches.attention, "BACKWARD_REPLAY", True)
     B, H, N, d = 2, 16, 4096, 64  # 1024 query tiles of 64 rows: past the in-kernel descriptors' 528 CTAs
 
     def call():
@@ -660,7 +661,7 @@ def test_the_portable_attention_backward_replays_with_d_in_its_plan(pinned_tuner
     from tilefuse import runtime
     from tilefuse.kernels.attention import launch as attention_launch
 
-    monkeypatch.setattr(attention_launch, "BACKWARD_REPLAY", True)
+    monkeypatch.setattr(switches.attention, "BACKWARD_REPLAY", True)
     B, H, N, d = 2, 4, 300, 64
 
     def call():
@@ -707,7 +708,7 @@ def test_a_patched_models_training_step_replays_every_launch_but_the_fused_loss(
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
 
     def full_path_kernels(switched_on):
-        monkeypatch.setattr(attention_launch, "BACKWARD_REPLAY", switched_on)
+        monkeypatch.setattr(switches.attention, "BACKWARD_REPLAY", switched_on)
         monkeypatch.setattr(fastpath, "REPLAY_HOST_DESCRIPTORS", switched_on)
         fastpath.clear_all()
         with stubbed_launches() as runs:
@@ -735,13 +736,13 @@ def test_a_vendor_composition_replays_without_the_launch_modules_decisions(pinne
     from tilefuse.tuning import choices
 
     decisions = []
-    original = launch._linear_chosen
+    original = launch.forward._linear_chosen
 
     def counting(*args):
         decisions.append(args[-1])
         return original(*args)
 
-    monkeypatch.setattr(launch, "_linear_chosen", counting)
+    monkeypatch.setattr(launch.forward, "_linear_chosen", counting)
     x1, w, b = _linear_inputs(64, 256, 128, seed=0)
     x2, _, _ = _linear_inputs(64, 256, 128, seed=1)
     with torch.no_grad(), stubbed_launches() as stub, launches.recording() as recs, tilefuse.use_backend("vendor"):
@@ -763,5 +764,5 @@ def test_a_vendor_composition_replays_without_the_launch_modules_decisions(pinne
             tilefuse.linear(x1, (w, w), (b, b), activation="swiglu")
         assert [s.kernel for s in stub[gate_launches:]] == ["glu_gate_kernel"] * 2 and not any(
             s.replay for s in stub[gate_launches:])
-        gated = launch._GATED._plans
+        gated = launch.gated._GATED._plans
         assert any(type(p).__name__ == "VendorPlan" for p in gated.values())

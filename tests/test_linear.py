@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import tilefuse
 from helpers import ON_GPU, assert_close
+from tilefuse.kernels import switches
 from tilefuse.opspec import REL_L2_BOUND
 from tilefuse import reference
 
@@ -161,8 +162,8 @@ def test_split_k_path_matches_reference(device, activation, monkeypatch):
     # runs in slice order) and leave every arrival counter at zero for the next launch.
     from tilefuse.kernels import launches
     from tilefuse.kernels.gemm import launch
-    monkeypatch.setattr(launch, "split_k_slices", lambda M, N, K, path, device: 3)
-    monkeypatch.setattr(launch, "_WORKSPACES", {})  # this test's workspace comes from poisoned_empty
+    monkeypatch.setattr(launch.forward, "split_k_slices", lambda M, N, K, path, device: 3)
+    monkeypatch.setattr(launch.rules, "_WORKSPACES", {})  # this test's workspace comes from poisoned_empty
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):  # the partials workspace and y start as NaN, never stale data
@@ -184,7 +185,7 @@ def test_split_k_path_matches_reference(device, activation, monkeypatch):
         ref = reference.linear(x.double(), w.double(), b.double(), activation)
     assert_close(out, ref, 1e-5, f"split-k {activation}")
     assert torch.equal(tilefuse.linear(x, w, b, activation), out)
-    counters = [c for c in launch._COUNTERS.values() if c.device.type == torch.device(device).type]
+    counters = [c for c in launch.rules._COUNTERS.values() if c.device.type == torch.device(device).type]
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
@@ -233,7 +234,7 @@ def test_every_tma_config_matches_float64(tma_launch_device, index, activation):
     b = _rand(N, device=dev, dtype=torch.float16, seed=3)
     bu = _rand(N, device=dev, dtype=torch.float16, seed=4) if gated else None
     y = torch.empty(M, N, dtype=torch.float16, device=dev)
-    launch._launch_tma(x, w, b, y, activation, config=config, w_up=wu, b_up=bu)
+    launch.forward.launch_tma(x, w, b, y, activation, config=config, w_up=wu, b_up=bu)
     if gated:
         ref = reference.gated_linear(x.double(), w.double(), wu.double(), b.double(), bu.double(), activation)
     else:
@@ -293,7 +294,7 @@ def test_cooperative_gemm_forward_matches_float64(activation, bias, dtype, M, K,
 @pytest.mark.parametrize("M,K,N", [(1024, 1024, 2816), (1000, 1032, 2824)])
 def test_gated_inference_runs_the_cooperative_kernel(activation, bias, stacked, M, K, N):
     """tilefuse.linear with a gated activation under no_grad (no slopes to store) at sizes with an output tile
-    per SM (launch.coop_gated), the second with tails in M, N and K: the launch records the cooperative kernel
+    per SM (launch.rules.coop_gated), the second with tails in M, N and K: the launch records the cooperative kernel
     and y matches float64; the weight as a pair or one [2N, K] tensor (its halves as views), x 3-D. The same call
     with grad (a training forward: slopes saved) keeps the TMA kernel."""
     from tilefuse import runtime
@@ -301,7 +302,7 @@ def test_gated_inference_runs_the_cooperative_kernel(activation, bias, stacked, 
     from tilefuse.kernels.gemm import coop, launch
 
     dtype = torch.bfloat16
-    assert coop.output_tiles(M, N, launch.COOP_GATED_CONFIG) >= runtime.device_facts(torch.device("cuda"))[1]
+    assert coop.output_tiles(M, N, switches.gemm.COOP_GATED_CONFIG) >= runtime.device_facts(torch.device("cuda"))[1]
     fastpath.clear_all()
     x = _rand(2, M // 2, K, device="cuda", dtype=dtype)
     wg, wu = (_rand(N, K, device="cuda", dtype=dtype, seed=1 + i) * K ** -0.5 for i in range(2))
@@ -328,7 +329,7 @@ def test_replayed_launches_compute_each_calls_inputs(M, dtype):
     captures its launches, the others replay them -- each match float64 on their own inputs, and a
     misaligned view of the same shape (another key: another specialization) too."""
     from tilefuse.kernels.gemm import launch
-    launch._LINEAR.clear()
+    launch.forward._LINEAR.clear()
     K, N = 4096, 1032
     for seed in range(4):
         x = _rand(M, K, device="cuda", dtype=dtype, seed=seed)
@@ -336,7 +337,7 @@ def test_replayed_launches_compute_each_calls_inputs(M, dtype):
         b = _rand(N, device="cuda", dtype=dtype, seed=seed + 20)
         y = tilefuse.linear(x, w, b, "gelu")
         if seed == 0:
-            assert len(launch._LINEAR) == 1, "the first call captures its launch"
+            assert len(launch.forward._LINEAR) == 1, "the first call captures its launch"
         ref = reference.linear(x.double(), w.double(), b.double(), "gelu")
         assert_close(y, ref, REL_L2_BOUND[dtype], f"replay {seed} M{M} {dtype}")
     flat = _rand(M * K + 1, device="cuda", dtype=dtype, seed=9)
@@ -344,7 +345,7 @@ def test_replayed_launches_compute_each_calls_inputs(M, dtype):
     y = tilefuse.linear(x_off, w, b, "gelu")
     ref = reference.linear(x_off.double(), w.double(), b.double(), "gelu")
     assert_close(y, ref, REL_L2_BOUND[dtype], f"misaligned M{M} {dtype}")
-    assert len(launch._LINEAR) == 2
+    assert len(launch.forward._LINEAR) == 2
 
 
 def test_descriptor_allocator_is_set_in_each_thread_that_launches():

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import tilefuse
 from helpers import ON_GPU, assert_close
+from tilefuse.kernels import switches
 from tilefuse import reference
 from tilefuse.opspec import REL_L2_BOUND
 
@@ -186,7 +187,7 @@ def _pinned_backward(monkeypatch, config):
     from tilefuse.kernels import fastpath
     from tilefuse.kernels.gemm import launch
 
-    monkeypatch.setattr(launch, "BACKWARD_TMA", False)
+    monkeypatch.setattr(switches.gemm, "BACKWARD_TMA", False)
     calls = []
 
     def pinned(kernel, tuned, args, flags, interpret, grid):
@@ -197,7 +198,7 @@ def _pinned_backward(monkeypatch, config):
             launch_flags.update(num_warps=config.num_warps, num_stages=config.num_stages)
         fastpath.launch(kernel, grid(meta), args, launch_flags)
         return config
-    monkeypatch.setattr(launch, "_launch_backward", pinned)
+    monkeypatch.setattr(launch.backward, "_launch_backward", pinned)
     fastpath.clear_all()  # no replay of a plan captured with another config
     return calls
 
@@ -291,10 +292,10 @@ def test_every_portable_config_trains_a_conv1d_layout_weight(device, monkeypatch
     if config not in configs.prune_portable_configs([config], probe, INPUT_PRECISION=precision):
         pytest.skip("pruned for this dtype")
     monkeypatch.setattr(fastpath, "signature", lambda *a, **k: None)  # every call takes the full path
-    monkeypatch.setattr(launch, "split_k_slices", lambda *a, **k: 1)  # the portable kernel itself, not split-K
+    monkeypatch.setattr(launch.forward, "split_k_slices", lambda *a, **k: 1)  # the portable kernel itself, not split-K
     if ON_GPU:
-        pinned = _PinnedTuner(launch.linear_portable_tuned.fn, config)
-        monkeypatch.setattr(launch, "linear_portable_tuned", pinned)
+        pinned = _PinnedTuner(launch.forward.linear_portable_tuned.fn, config)
+        monkeypatch.setattr(launch.forward, "linear_portable_tuned", pinned)
     else:
         monkeypatch.setattr(configs, "INTERPRETER_GEMM", dict(config.kwargs))
     calls = _pinned_backward(monkeypatch, config)
@@ -392,7 +393,7 @@ def test_warp_specialized_backward_gemms_match_float64(M, K, N, dtype):
 @pytest.mark.usefixtures("tilefuse_backend")  # tilefuse's backward kernels and configs
 def test_linear_training_runs_the_cooperative_backward(M, K, N):
     """tilefuse.linear's training path (bf16, bias, GELU; forward and backward through autograd) at sizes where
-    the launch takes the cooperative kernel for both backward GEMMs (launch.coop_backward: an output tile per SM
+    the launch takes the cooperative kernel for both backward GEMMs (launch.rules.coop_backward: an output tile per SM
     and a reduction of >= 2048; dx [M, K] over N, dW [N, K] over M), the second with tails on every tile dim and
     K step (rows still 16-byte multiples): the records say which kernels ran, and the x, W and b gradients match
     float64."""
@@ -403,8 +404,8 @@ def test_linear_training_runs_the_cooperative_backward(M, K, N):
     dev, dtype = torch.device("cuda"), torch.bfloat16
     sms = runtime.device_facts(dev)[1]
     for rows, cols, reduction in ((M, K, N), (N, K, M)):  # the shapes take it on this GPU: else the test is void
-        assert coop.output_tiles(rows, cols, launch.COOP_BACKWARD_CONFIG) >= sms
-        assert reduction >= launch.COOP_MIN_REDUCTION
+        assert coop.output_tiles(rows, cols, switches.gemm.COOP_BACKWARD_CONFIG) >= sms
+        assert reduction >= launch.rules.COOP_MIN_REDUCTION
     fastpath.clear_all()
     x = _r(2, M // 2, K, device=dev, dtype=dtype)
     w = _r(N, K, seed=1, scale=K ** -0.5, device=dev, dtype=dtype)
@@ -472,11 +473,11 @@ def test_gated_training_runs_dx_and_each_branchs_dw_on_the_cooperative_kernel(M,
 @pytest.mark.parametrize("M,K,N", [(2100, 2056, 4360)])
 @pytest.mark.usefixtures("tilefuse_backend")  # tilefuse's backward kernels and configs
 def test_gated_dx_on_the_pointer_kernel_matches_float64(M, K, N, monkeypatch):
-    """With launch.COOP_GATED_DX switched off, SwiGLU's dx (two products summed) runs the tuned pointer kernel,
+    """With switches.gemm.COOP_GATED_DX switched off, SwiGLU's dx (two products summed) runs the tuned pointer kernel,
     tails on every tile dim, against float64; the gate and up branches' dW as before."""
     from tilefuse.kernels.gemm import launch
 
-    monkeypatch.setattr(launch, "COOP_GATED_DX", False)
+    monkeypatch.setattr(switches.gemm, "COOP_GATED_DX", False)
     assert _gated_training_step_against_float64(M, K, N, "gated dx pointer") == [
         "grad input, g = dy * slope in its loads"] + [
         "grad weight (cooperative warp-specialized) + bias, g = dy * slope in its loads"] * 2

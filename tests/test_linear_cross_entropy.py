@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import tilefuse
 from helpers import ON_GPU, assert_close
+from tilefuse.kernels import switches
 from tilefuse.opspec import REL_L2_BOUND
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
@@ -141,7 +142,7 @@ def test_backward_over_several_chunks(device, monkeypatch, smoothing, softcap, f
     in the backward. Gradients against float64, bias included; bit-identical when run twice (no atomics)."""
     from tilefuse.kernels import launches
     from tilefuse.kernels.gemm import launch
-    monkeypatch.setattr(launch, "LCE_TRAINING_FORM", form == "training")
+    monkeypatch.setattr(switches.gemm, "LCE_TRAINING_FORM", form == "training")
     x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=4)
     grads = []
     for _ in range(2):
@@ -179,8 +180,8 @@ def test_logits_chunks_rows_apart_by_a_pitch(device, monkeypatch, form):
     def padded(rows, cols, like):
         made.append((rows, cols))
         return torch.full((rows, cols + 13), float("nan"), dtype=like.dtype, device=like.device)
-    monkeypatch.setattr(launch, "_logits_buffer", padded)
-    monkeypatch.setattr(launch, "LCE_TRAINING_FORM", form == "training")
+    monkeypatch.setattr(launch.loss, "_logits_buffer", padded)
+    monkeypatch.setattr(switches.gemm, "LCE_TRAINING_FORM", form == "training")
     x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=8)
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     loss = tilefuse.linear_cross_entropy(*leaves[:2], target, leaves[2], label_smoothing=0.1)
@@ -201,11 +202,11 @@ def test_the_training_form_shares_the_tokens_evenly_among_its_chunks():
     2048 (2656 would leave 224); never more rows than tokens, never fewer than 16."""
     from tilefuse.kernels.gemm import launch
 
-    assert launch.LCE_TRAINING_CHUNK_BYTES == 256 * 2**20
-    assert launch.lce_token_chunk(8192, 128256, 2) == 1024
-    assert launch.lce_token_chunk(8192, 50257, 2) == 2048
-    assert launch.lce_token_chunk(5, 50257, 2) == 5
-    assert launch.lce_token_chunk(100000, 10**9, 2) == 16
+    assert launch.loss.LCE_TRAINING_CHUNK_BYTES == 256 * 2**20
+    assert launch.loss.lce_token_chunk(8192, 128256, 2) == 1024
+    assert launch.loss.lce_token_chunk(8192, 50257, 2) == 2048
+    assert launch.loss.lce_token_chunk(5, 50257, 2) == 5
+    assert launch.loss.lce_token_chunk(100000, 10**9, 2) == 16
 
 
 def test_training_form_gives_a_second_backward_the_same_gradients(device):
@@ -243,7 +244,7 @@ def test_both_forwards_match_float64(device, monkeypatch, forward, softcap):
     losses and lse agree with float64 over three chunks / vocabulary slices (the last partial), label
     smoothing and bias included."""
     from tilefuse.kernels.gemm import launch
-    monkeypatch.setattr(launch, "LCE_FORWARD", forward)
+    monkeypatch.setattr(switches.gemm, "LCE_FORWARD", forward)
     x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=5)
     got, lse = tilefuse.linear_cross_entropy(x, w, target, b, reduction="none", label_smoothing=0.1,
                                              softcap=softcap, return_lse=True)
@@ -259,9 +260,9 @@ def _three_chunk_problem(device, monkeypatch, seed):
     chunks, the last one partial; every 5th target ignored."""
     from tilefuse.kernels.gemm import launch
     M, K, V = 37, 24, 301
-    monkeypatch.setattr(launch, "LCE_CHUNK_BYTES", 128 * M * (2 if DTYPE == torch.bfloat16 else 4))
-    monkeypatch.setattr(launch, "LCE_TRAINING_CHUNK_BYTES", launch.LCE_CHUNK_BYTES)
-    assert launch.lce_vocab_chunk(M, V, 2 if DTYPE == torch.bfloat16 else 4) == 128
+    monkeypatch.setattr(launch.loss, "LCE_CHUNK_BYTES", 128 * M * (2 if DTYPE == torch.bfloat16 else 4))
+    monkeypatch.setattr(launch.loss, "LCE_TRAINING_CHUNK_BYTES", launch.loss.LCE_CHUNK_BYTES)
+    assert launch.loss.lce_vocab_chunk(M, V, 2 if DTYPE == torch.bfloat16 else 4) == 128
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).to(device, DTYPE)
     w = (torch.randn(V, K, generator=g) * K ** -0.5).to(device, DTYPE)

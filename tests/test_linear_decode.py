@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import tilefuse
 from helpers import ON_GPU, assert_close
+from tilefuse.kernels import switches
 from tilefuse.kernels import launches
 from tilefuse.kernels.gemm import launch
 from tilefuse.opspec import REL_L2_BOUND
@@ -37,7 +38,7 @@ def test_decode_kernel_matches_float64(M, activation, bias, device):
     K, N = (300, 70) if device.type == "cpu" else (1100, 4232)  # tails on both: neither a multiple of a tile
     x, w, b = _r(M, K, N, bias, device, seed=M)
     y = torch.full((M, N), float("nan"), dtype=x.dtype, device=device)
-    launch._launch_decode(x, w, b, y, activation, interpret=device.type == "cpu")
+    launch.forward._launch_decode(x, w, b, y, activation, interpret=device.type == "cpu")
     assert_close(y, _want(x, w, b, activation), REL_L2_BOUND[DTYPE], f"M{M}")
 
 
@@ -84,7 +85,7 @@ def test_other_small_m_calls_keep_split_k_or_their_path(pinned_tuners, monkeypat
     elif case == "M 65":
         M = 65
     else:
-        monkeypatch.setattr(launch, "DECODE_KERNEL", False)
+        monkeypatch.setattr(switches.gemm, "DECODE_KERNEL", False)
     kernels, _, recs = _kernel_for(M, K, N, **kw)
     assert "decode_linear_kernel" not in kernels and "decode" not in recs, (kernels, recs)
 

@@ -276,7 +276,7 @@ def test_norm_linear_epilogue_form_matches_float64(tma_launch_device, norm, affi
     b = _rand(N, device=dev, dtype=FP16, seed=4) if has_bias else None
     eps = torch.finfo(FP16).eps if norm == "rms" else 1e-5
     y = torch.empty(M, N, dtype=FP16, device=dev)
-    launch._norm_linear_tma(x, norm == "rms", eps, gw, gb, w, b, y, activation,
+    launch.norm._norm_linear_tma(x, norm == "rms", eps, gw, gb, w, b, y, activation,
                                        config=dict(bm=16, bn=32, bk=64, stages=1, warps=4))
     ref = reference.layer_norm_linear(*(None if t is None else t.double() for t in (x, gw, gb, w, b)), eps=eps,
                                       norm=norm, activation=activation)
@@ -310,7 +310,7 @@ def test_strided_parameter_views_are_read_as_their_elements(device):
 
 
 def test_norm_linear_byte_model_counts_the_fold_it_runs():
-    """The Hopper form's fold (kernels/gemm/launch.py ``fold_weight``) reads W whenever it runs and writes
+    """The Hopper form's fold (kernels/gemm/launch/ ``fold_weight``) reads W whenever it runs and writes
     W' only with gamma: RMSNorm with gamma moves 2*N*K elements (once counted as N*K), without gamma
     nothing; LayerNorm reads W for its column sums either way. The statistics pre-pass reads x and writes
     (and the GEMM reads) 8 bytes a row."""

@@ -414,7 +414,7 @@ def test_qkv_projection_tma_kernel_compiles_to_wgmma_without_spills(d, rope, nor
     weight layout and Conv1D's transposed one: wgmma fed from shared memory (TMA tiles), no spill with the
     RoPE and QK-norm epilogue, within the H200's shared memory. The tiles arrive by TMA, so the only 16-bit
     scalar loads are of the bias vector, in the layout RoPE's pair split gives it (16-32 per tile)."""
-    from tilefuse.kernels.gemm.launch import QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M, QKV_TMA_TILES
+    from tilefuse.kernels.gemm.launch.qkv import QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M, QKV_TMA_TILES
     block_m, per_tile, warps, stages = QKV_TMA_TILES[d, rope or norm]
     consts = dict(HAS_BIAS=True, HAS_ROPE=rope, INTERLEAVED=False, HAS_NORM=norm, W_KN=w_kn, NUM_SMS=132,
                   BLOCK_M=block_m, HEAD_DIM=d, HEADS_PER_TILE=per_tile, BLOCK_K=QKV_TMA_BLOCK_K,
@@ -443,7 +443,7 @@ def test_qkv_projection_tma_parts_kernel_compiles_to_wgmma_without_spills(d, r, 
     """The Hopper QKV kernel's parts form (launch.qkv_tma_parts_tile) for the head dims the whole-head form does
     not take and for partial rotary: wgmma from shared memory, no spill, within the H200's shared memory (d and
     r are constexprs so the parts' column masks fold; NOTES.md has the runtime-argument form's spills)."""
-    from tilefuse.kernels.gemm.launch import QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M, qkv_tma_parts_tile
+    from tilefuse.kernels.gemm.launch.qkv import QKV_TMA_BLOCK_K, QKV_TMA_GROUP_M, qkv_tma_parts_tile
     tile = qkv_tma_parts_tile(d, r, r > 0)
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
     consts = dict(HEAD_DIM=d, ROT=r, HAS_BIAS=True, HAS_ROPE=r > 0, HAS_NORM=norm, W_KN=w_kn, NUM_SMS=132,
@@ -456,7 +456,7 @@ def test_qkv_projection_tma_parts_kernel_compiles_to_wgmma_without_spills(d, r, 
 def test_hopper_grad_weight_compiles_to_wgmma_without_spills(flags):
     """The Hopper dW kernel at launch.BACKWARD_TMA_TILE: wgmma with x^T straight from the TMA buffer (no
     register A operand), no spill, within the H200's shared memory."""
-    from tilefuse.kernels.gemm.launch import BACKWARD_TMA_TILE
+    from tilefuse.kernels.gemm.launch.backward import BACKWARD_TMA_TILE
     cfg = dict(BACKWARD_TMA_TILE)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     aligned = ("dy_ptr", "s_ptr", "x_ptr", "dw_ptr", "db_ptr", "N", "K", "stride_dym", "stride_sm", "stride_xm",
@@ -475,7 +475,7 @@ def test_fp32_gemm_kernels_honour_the_input_precision(kernel, precision):
     """fp32 operands run full-precision FMA dots unless torch allows TF32 (launch.precision_for): a tl.dot
     left at its default precision rounds fp32 operands to TF32, which on the H200 put the fp32 QKV rows at
     rel-L2 5e-4 to 8e-4 against the 1e-5 bound. TF32 dots are wgmma; IEEE ones are not."""
-    from tilefuse.kernels.gemm.launch import LCE_TILE
+    from tilefuse.kernels.gemm.launch.loss import LCE_TILE
     if kernel == "qkv":
         module, name = "tilefuse.kernels.gemm.qkv", "qkv_projection_kernel"
         consts = dict(HAS_BIAS=True, HAS_ROPE=True, INTERLEAVED=False, HAS_NORM=True, BLOCK_M=64, BLOCK_R=32,
@@ -494,7 +494,7 @@ def test_fp32_gemm_kernels_honour_the_input_precision(kernel, precision):
 def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel):
     """The row passes over a bf16 logits chunk -- the backward's in-place dz, the chunked forward's partials
     (no dot in either): they compile, without spills."""
-    from tilefuse.kernels.gemm.launch import LCE_GRAD_TILE, LCE_STATS_TILE
+    from tilefuse.kernels.gemm.launch.loss import LCE_GRAD_TILE, LCE_STATS_TILE
     sig = {"z_ptr": "*bf16", "target_ptr": "*i64", "softcap": "fp32", "*": "*fp32"}
     tile = LCE_STATS_TILE
     if kernel == "lce_logit_grad_kernel":

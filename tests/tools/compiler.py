@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from tilefuse.kernels import switches
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 TESTS_DIR = os.path.dirname(_TOOLS)
@@ -247,7 +248,7 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
     ``launch`` runs it for the forward ("forward", ``coop.linear``), the gated forward ("gated", with
     ``activation`` a GLU, else swiglu), dx ("dx"), the gated dx ("gated_dx": two slopes and weights) or dW ("dW",
     with db unless ``db`` is False), at one of its
-    CONFIGS (default: the config the launch layer takes for that form, kernels/gemm/launch.py's COOP_*_CONFIG;
+    CONFIGS (default: the config the launch layer takes for that form, switches.gemm's COOP_*_CONFIG;
     for the plain forward, which the launch does not take, coop.DEFAULT)."""
     import torch
     from triton.runtime.jit import mangle_type
@@ -255,7 +256,7 @@ def gemm_coop_ws_compile_job(gemm: str = "dx", config: str | None = None, activa
     from tilefuse.kernels.gemm import coop, launch
 
     if config is None:
-        config = {"forward": coop.DEFAULT, "gated": launch.COOP_GATED_CONFIG}.get(gemm, launch.COOP_BACKWARD_CONFIG)
+        config = {"forward": coop.DEFAULT, "gated": switches.gemm.COOP_GATED_CONFIG}.get(gemm, switches.gemm.COOP_BACKWARD_CONFIG)
     cfg = coop.CONFIGS[config]
     trans_a, slope, b_kmajor = {"forward": (False, False, True), "gated": (False, False, True),
                                 "dx": (False, True, False), "gated_dx": (False, True, False),

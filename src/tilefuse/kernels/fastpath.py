@@ -37,6 +37,9 @@ Triton's launcher a descriptor of the same view at the new call's address, which
 as it encodes the full path's. ``REPLAY_HOST_DESCRIPTORS = False`` keeps a launch with a host descriptor
 on the full path.
 
+Any change of a switch (kernels/switches.py: the forms an op may take) drops every family's plans at its next
+call: a plan holds the kernels the switches chose when it was captured.
+
 Interpreter and reference calls never replay (:func:`signature` is None off the compiled path).
 """
 from __future__ import annotations
@@ -51,7 +54,7 @@ from triton import knobs
 from triton.runtime.driver import driver
 
 from tilefuse import runtime
-from tilefuse.kernels import launches
+from tilefuse.kernels import launches, switches
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
 
 if runtime.interpreter_enabled():  # every launch passes through this module: the interpreter's two fixes
@@ -314,6 +317,7 @@ class Plans:
     def __init__(self, name: str):
         self.name = name
         self._plans: dict = {}
+        self._generation = switches.GENERATION  # the switches' state the plans were made under
         _FAMILIES.append(self)
 
     def clear(self) -> None:
@@ -325,6 +329,9 @@ class Plans:
     def run(self, inputs: tuple, scalars: tuple, full):
         """``full()`` -- the launch module's full path, returning one output tensor or a tuple of them --
         or the replay of the plan an earlier call with this key captured."""
+        if self._generation != switches.GENERATION:  # a switch changed: what the plans captured may not run now
+            self._plans.clear()
+            self._generation = switches.GENERATION
         key = signature(inputs, scalars)
         if key is None or getattr(_local, "capture", None) is not None:
             # Off the compiled path; or inside another entry's capture (one family's entry calling another's),

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from tilefuse import runtime
+from tilefuse.kernels import switches
 from tilefuse.ops import _dispatch
 from tilefuse.ops._checks import check_same_device, check_same_dtype, check_softcap, check_tensor, grad_needed
 from tilefuse.ops.linear import _gemm_launch
@@ -154,7 +155,7 @@ def _training_form_applies(reduction, x2d, weight, bias, t1d) -> bool:
     """Eager autograd over a "mean" or "sum" loss in bf16 / fp32 on the launch layer's paths, with rows to take."""
     return (reduction != "none" and x2d.dtype in TRAINING_DTYPES and x2d.shape[0] > 0 and x2d.shape[1] > 0
             and grad_needed(x2d, weight, bias) and _dispatch.eager_autograd(x2d, weight, bias, t1d)
-            and runtime.execution_path(x2d) != runtime.REFERENCE and _gemm_launch().LCE_TRAINING_FORM)
+            and runtime.execution_path(x2d) != runtime.REFERENCE and switches.gemm.LCE_TRAINING_FORM)
 
 
 class _TrainingForm(torch.autograd.Function):

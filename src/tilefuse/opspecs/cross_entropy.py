@@ -92,36 +92,15 @@ def _anchors(params):
     return anchors
 
 
-def _training_form(params) -> bool:
-    """Whether a row's timed step (eager autograd) takes linear_cross_entropy's training form."""
-    from tilefuse.kernels.gemm import launch
-    from tilefuse.ops.cross_entropy import TRAINING_DTYPES
-    return (launch.LCE_TRAINING_FORM and params.get("reduction", "mean") != "none"
-            and params["dtype"] in TRAINING_DTYPES)
-
-
 def _bytes(params):
-    """fused: x, W (and b) read, dx and dW written, and the logits' passes of the form that runs. The training
-    form: each token chunk [TC, V] written by its GEMM, read by the row pass, read and rewritten as dz, read by
-    the dx and dW GEMMs (6 passes over T x V in all), dW read and rewritten by every chunk after the first.
-    The other: the backward's vocabulary chunks (each [T, VC] written by its GEMM, read and rewritten as dz, read
-    by the dW and dx GEMMs: 5 passes), the chunked forward's (written by the GEMM, read by the row pass: 2 more;
-    the online forward keeps its tiles on chip) and the fp32 dx accumulator read and written once per chunk.
-    Eager writes the fp32 logits, reads them for the softmax and its gradient, and writes and reads that
-    gradient."""
-    from tilefuse.kernels.gemm import launch
+    """The minimum HBM bytes of the step, whichever form the launch layer takes: x and W (and b) read, dx and dW
+    (and db) written, the logits kept on chip (fused). Eager (unfused) also writes the fp32 logits, reads them for
+    the softmax and its gradient, and writes and reads that gradient."""
     M, K, V = params["shape"]
     s = params["dtype"].itemsize
-    operands = (2 * M * K + 2 * V * K) * s
-    if _training_form(params):
-        chunks = -(-M // launch.lce_token_chunk(M, V, s))
-        fused = operands + 6 * M * V * s + 2 * (chunks - 1) * V * K * s
-    else:
-        chunks = -(-V // launch.lce_vocab_chunk(M, V, s))
-        passes = 7 if launch.LCE_FORWARD == "chunked" else 5
-        fused = operands + passes * M * V * s + 2 * M * K * 4 * chunks
+    fused = (2 * M * K + 2 * V * K) * s
     logits = 4 * M * V * 4
-    return {"fused": fused, "unfused": max(fused, operands + logits)}
+    return {"fused": fused, "unfused": fused + logits}
 
 
 LINEAR_CROSS_ENTROPY = OpSpec(
@@ -147,8 +126,9 @@ LINEAR_CROSS_ENTROPY = OpSpec(
         "cpu": [dict(shape=(33, 70, 301), dtype=d) for d in (FP32, BF16)],
         "gpu": [dict(shape=(1024, 2048, 32003), dtype=d) for d in (FP32, BF16)],
     },
-    # forward, dx, dW; the recomputing form's backward makes the logits a second time
-    flops=lambda p: (6.0 if _training_form(p) else 8.0) * p["shape"][0] * p["shape"][1] * p["shape"][2],
+    # the useful FLOPs: the logits' GEMM, dx and dW (a form that recomputes the logits does more work, not more of
+    # the step)
+    flops=lambda p: 6.0 * p["shape"][0] * p["shape"][1] * p["shape"][2],
     hbm_bytes=_bytes,
     bound="compute",
     anchors=_anchors,

@@ -367,7 +367,7 @@ def _norm_linear_bytes(params):
     unfused = gemm + 2 * M * K * s + vec + act
     if params["dtype"] == torch.float32:  # the prologue form: stats pre-pass (x read, mean/rstd out and in)
         return {"fused": gemm + M * K * s + 16 * M + vec, "unfused": unfused}
-    # 16-bit rows are benchmarked on Hopper, in the epilogue form (kernels/gemm/launch.py): the statistics
+    # 16-bit rows are benchmarked on Hopper, in the epilogue form (kernels/gemm/launch/): the statistics
     # pre-pass reads x (8 bytes a row out and back in), gamma is folded into W once per call (W read, W'
     # written) and LayerNorm also sums W' over K (W read without gamma); RMSNorm without gamma needs no fold.
     # (Other GPUs run 16-bit in the prologue form.) Against eager's normalized x written and read back

@@ -10,8 +10,8 @@
   ``block_sparse_backward``).
 - FP8 forward (``forward_fp8``, after the pre-pass's ``quantize_blocks`` / ``quantize_channels_transposed``): the
   warp-specialized FP8 kernel (ws_fp8.py) on sm_90 at head dims 64 and 128 with a 16-bit output and TMA-able
-  tensors (FP8_KERNEL "auto"), the portable FP8 kernel (fp8.py) elsewhere, through descriptors on sm_90
-  (FP8_DESCRIPTORS None) and pointer loads otherwise. No vendor candidate (SDPA has no FP8 forward in torch).
+  tensors (switches.attention.FP8_KERNEL "auto"), the portable FP8 kernel (fp8.py) elsewhere, through
+  descriptors on sm_90 (switches.attention.FP8_DESCRIPTORS None) and pointer loads otherwise. No vendor candidate (SDPA has no FP8 forward in torch).
 - The vendor candidates, forward and backward: SDPA's cuDNN and flash kernels (torch's CPU flash kernel off CUDA)
   where their semantics are the call's (``sdpa_candidates``), chosen against tilefuse's by measurement per shape
   bucket (FORWARD_CHOICE, BACKWARD_CHOICE; ``tuning.choices``).
@@ -23,7 +23,7 @@ import torch
 import triton
 
 from tilefuse import runtime, sizes, tuning
-from tilefuse.kernels import fastpath, launches
+from tilefuse.kernels import fastpath, launches, switches
 from tilefuse.kernels.attention import fp8, ws, ws_backward, ws_backward_wide, ws_fp8
 from tilefuse.kernels.attention.common import MAX_GRID_Y, descriptors_usable
 from tilefuse.kernels.attention.portable import attention_fwd_kernel
@@ -376,36 +376,26 @@ def backward_config(block_d: int, elem_bytes: int, interpret: bool) -> dict:
 
 
 BACKWARD_DKDV_STAGES = 1  # the dK/dV kernel's pipeline depth on 16-bit 64-row tiles (backward_config)
-# The portable passes' dQ by fp32 atomics inside the dK/dV kernel instead of its own pass (backward.py,
-# DQ_ATOMIC). Off: the adds' order varies run to run, which breaks the bit-identical gradients that
-# ``deterministic=True`` (and every default call) gives; on only to measure the two forms side by side
-# (benchmarks/attention_dq_forms.py).
-BACKWARD_DQ_ATOMIC = False
-
-# The warp-specialized passes: on where they apply (False: the portable passes everywhere, for benchmarks);
-# BACKWARD_WS_WIDE: those for head dims past 128 (ws_backward_wide.py's dK/dV pass, ws_backward's dQ pass in
-# 256-wide tiles; False: the portable passes there, the narrow passes unchanged). Up to d 128 the Q/dO (dK/dV
-# pass) and K/V (dQ pass) rings are BACKWARD_WS_STAGES deep: 2 stages measured best or within 2% of 3 and 4 on
-# the H200's backward grid (NOTES.md). Past 128 they are ws_backward_wide.STAGES deep (2: a third does not fit).
-BACKWARD_WS = True
-BACKWARD_WS_WIDE = True
+# The backward's switches (switches.attention): BACKWARD_DQ_ATOMIC (dQ by fp32 atomics inside the portable dK/dV
+# pass: off, since the adds' order varies run to run and ``deterministic=True``, as every default call, gives
+# bit-identical gradients), BACKWARD_WS / BACKWARD_WS_WIDE (the warp-specialized passes up to d 128 / past it) and
+# BACKWARD_REPLAY (the backward through the fast path's plans: D among the plan's outputs, so the launches replay;
+# the Gluon passes also need fastpath.REPLAY_HOST_DESCRIPTORS). Up to d 128 the Q/dO (dK/dV pass) and K/V (dQ
+# pass) rings are BACKWARD_WS_STAGES deep: 2 stages measured best or within 2% of 3 and 4 on the H200's backward
+# grid (NOTES.md). Past 128 they are ws_backward_wide.STAGES deep (2: a third does not fit).
 BACKWARD_WS_STAGES = 2
-# The backward through the fast path's plans (D among the plan's outputs, so the launches replay; the Gluon passes
-# also need fastpath.REPLAY_HOST_DESCRIPTORS). False: every call takes the full path.
-BACKWARD_REPLAY = True
-
 
 def ws_backward_usable(q, k, v, mask, window_left, softcap, alibi, varlen) -> bool:
     """The cases the warp-specialized backward passes take: the forward kernel's (``ws_usable``) at
-    ws_backward.HEAD_DIMS (d <= 128) and, with BACKWARD_WS_WIDE, ws_backward_wide.HEAD_DIMS (160, 192, 256),
+    ws_backward.HEAD_DIMS (d <= 128) and, with switches.attention.BACKWARD_WS_WIDE, ws_backward_wide.HEAD_DIMS (160, 192, 256),
     without soft-cap, ALiBi or packed sequences (left windows up to d 128: the wide dK/dV pass has none), and a
     grid within axis 1's limit (B * Hq: the dQ pass's, at least the dK/dV pass's B * Hkv); everything else runs
     the portable passes. dout need not be TMA-able: the launch copies it when it is not (autograd's expanded or
     strided gradients)."""
     d = q.shape[-1]
     narrow = d in ws_backward.HEAD_DIMS
-    head_dim_taken = narrow or (BACKWARD_WS_WIDE and d in ws_backward_wide.HEAD_DIMS and window_left < 0)
-    return (BACKWARD_WS and head_dim_taken and softcap is None and alibi is None and varlen is None
+    head_dim_taken = narrow or (switches.attention.BACKWARD_WS_WIDE and d in ws_backward_wide.HEAD_DIMS and window_left < 0)
+    return (switches.attention.BACKWARD_WS and head_dim_taken and softcap is None and alibi is None and varlen is None
             and q.shape[0] * q.shape[1] <= MAX_GRID_Y and ws_usable(mask, q, k, v))
 
 
@@ -469,7 +459,7 @@ def backward(dout, q, k, v, out, lse, dlse, mask, scale: float, pos_offset: int,
         return _backward_chosen(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_left, window_right,
                                 path, softcap, alibi, varlen, precision, mode, deterministic)
 
-    if not BACKWARD_REPLAY:
+    if not switches.attention.BACKWARD_REPLAY:
         return full()[:3]
     cu = varlen[:2] if varlen is not None else (None, None)
     return _BACKWARD.run((dout, q, k, v, out, lse, dlse, mask, alibi, *cu),
@@ -542,7 +532,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
     dkdv_flags = flags
     if not interpret and q.element_size() == 2 and cfg["BLOCK_M"] == 64:
         dkdv_flags = dict(flags, num_stages=BACKWARD_DKDV_STAGES)
-    if BACKWARD_DQ_ATOMIC:
+    if switches.attention.BACKWARD_DQ_ATOMIC:
         dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=q.device)  # [B, Hq, Nq, d] (packed: [1, ...])
         dkdv_flags = dict(dkdv_flags, DQ_ATOMIC=True, dq_acc_ptr=dq_acc,
                           **dict(zip(("stride_dqab", "stride_dqah", "stride_dqam", "stride_dqad"),
@@ -552,7 +542,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, pos_offset, window_lef
         *[s for t in (q, k, v, dout) for s in _strides(t, varlen)], *mask_strides,
         *_strides(dk, varlen), *_strides(dv, varlen),
         Hq, Hkv, Nq, Nk, d, Hq // Hkv, *positions), dkdv_flags)
-    if BACKWARD_DQ_ATOMIC:
+    if switches.attention.BACKWARD_DQ_ATOMIC:
         dq.copy_(dq_acc)
         launches.record("attention_backward", path, "portable: rowdot, dk/dv with dq by fp32 atomics",
                         lambda: f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']}")
@@ -831,11 +821,8 @@ def _block_sparse_backward(dout, q, k, v, out, lse, dlse, mask_tensors, block_q,
 
 
 # ---- FP8 forward (fp8.py; ws_fp8.py on sm_90) -------------------------------------------------------
-# "auto": the warp-specialized FP8 kernel where it applies, else the portable one; "portable" forces that
-# (benchmarks compare the two).
-FP8_KERNEL = "auto"
-FP8_DESCRIPTORS = None  # the portable kernel's loads: None decides per call (see forward_fp8); tests force both
-# The portable FP8 kernel's tiles: BLOCK_M and BLOCK_N divide fp8.QUANT_BLOCK (one scale per tile).
+# switches.attention.FP8_KERNEL picks the kernel ("auto": the warp-specialized one where it applies), and
+# FP8_DESCRIPTORS the portable kernel's loads. The portable FP8 kernel's tiles: BLOCK_M and BLOCK_N divide fp8.QUANT_BLOCK (one scale per tile).
 FP8_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 FP8_INTERPRETER_CONFIG = dict(BLOCK_M=64, BLOCK_N=64)
 QUANT_INTERPRETER_ROWS = 64  # the V pass's row chunk in the interpreter (its cost is per program)
@@ -887,7 +874,7 @@ def forward_fp8(q, k, v, q_scale, k_scale, v_scale, scale: float, pos_offset: in
     """out [B, Hq, Nq, d] in ``out_dtype`` for e4m3 q [B, Hq, Nq, d], k [B, Hkv, Nk, d] and v [B, Hkv, Nk, d]
     with keys contiguous (v.stride(2) == 1), fp32 scales q [B, Hq, cdiv(Nq, 128)], k [B, Hkv, cdiv(Nk,
     128)], v [B, Hkv, d] contiguous; Nq, Nk >= 1. Runs the warp-specialized kernel (ws_fp8.py) where
-    ``fp8_ws_usable`` and FP8_KERNEL allow, the portable one (fp8.py) elsewhere."""
+    ``fp8_ws_usable`` and switches.attention.FP8_KERNEL allow, the portable one (fp8.py) elsewhere."""
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     out = torch.empty((B, Hq, Nq, d), dtype=out_dtype, device=q.device)
@@ -896,7 +883,7 @@ def forward_fp8(q, k, v, q_scale, k_scale, v_scale, scale: float, pos_offset: in
     flat = B * Hq > MAX_GRID_Y
     windows = (scale * LOG2E, pos_offset, max(window_left, 0), max(window_right, 0))
     flags = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, FLAT_GRID=flat)
-    if FP8_KERNEL == "auto" and not interpret and fp8_ws_usable(q, k, vt, out):
+    if switches.attention.FP8_KERNEL == "auto" and not interpret and fp8_ws_usable(q, k, vt, out):
         ensure_descriptor_allocator()
         fastpath.launch(ws_fp8.attention_fp8_ws_kernel, _grid(Nq, ws.BLOCK_M.value, B * Hq), (
             q, k, vt, out, q_scale, k_scale, v_scale, B, Hq, Hkv, Nq, Nk, d, *q.stride()[:3], *k.stride()[:3],
@@ -907,7 +894,7 @@ def forward_fp8(q, k, v, q_scale, k_scale, v_scale, scale: float, pos_offset: in
         return out
     cfg = FP8_INTERPRETER_CONFIG if interpret else FP8_CONFIG
     # Descriptors on sm_90 (TMA-able tensors), pointer loads elsewhere and in the interpreter; tests run both.
-    use_desc = FP8_DESCRIPTORS if FP8_DESCRIPTORS is not None else (
+    use_desc = switches.attention.FP8_DESCRIPTORS if switches.attention.FP8_DESCRIPTORS is not None else (
         not interpret and runtime.device_facts(q.device)[0] >= 9 and descriptors_usable(q, k, vt))
     if use_desc:
         ensure_descriptor_allocator()

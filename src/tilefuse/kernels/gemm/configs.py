@@ -1,6 +1,6 @@
 """GEMM config spaces, their pruning rules and the shared-memory models behind them (Hopper).
 
-Used by the tuners in kernels/gemm/launch.py; the rules were checked against sm_90a compiles
+Used by the tuners in kernels/gemm/launch/; the rules were checked against sm_90a compiles
 (tests/test_sm90_compile.py) and H200 launch failures.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ Tiling (TMA kernel, Hopper): persistent programs walk output tiles in grouped or
 w [N, K], both K-major (FP8 wgmma takes no other layout), arrive through descriptors in BLOCK_K = 128 steps (one
 128-byte swizzle row of e4m3); the epilogue applies the scales, bias and activation, optionally on one N-half at
 a time (EPILOGUE_SUBTILE), and stores through a descriptor. Accumulation: fp32 promotion every BLOCK_K step, or
-Hopper's fast FP8 accumulation over the whole K loop (FAST_ACCUM; kernels/gemm/launch.py decides). The pointer
+Hopper's fast FP8 accumulation over the whole K loop (FAST_ACCUM; kernels/gemm/launch/ decides). The pointer
 kernel: masked tiles, any M, N, K and strides. The quantizer: BLOCK_M rows per program, K in BLOCK_K chunks, an
 amax sweep then a scale-and-cast sweep (one sweep when a chunk holds the row).
 Limits: the TMA kernel needs K % 16 == 0, y's rows a multiple of 16 bytes and 16-byte-aligned bases (the launch

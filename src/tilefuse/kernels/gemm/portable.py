@@ -11,7 +11,7 @@ Fused: (M*K + N*K + M*N)*s (+ N*s for the bias) -- the pre-activation never leav
 Tiling: BLOCK_M x BLOCK_N output tile per program, K walked in BLOCK_K steps, grouped tile order so
 GROUP_M row-tiles share the same weight columns while they sit in L2. Every edge is masked: any M, N,
 K >= 0 and any strides (x's rows may sit at two strides, for a 3-D input that does not flatten).
-This is the portable path (Ampere, Hopper, the interpreter); kernels/gemm/launch.py decides when it runs.
+This is the portable path (Ampere, Hopper, the interpreter); kernels/gemm/launch/ decides when it runs.
 Split-K (small M): K slices run as separate programs that store fp32 partials; the last program of a
 tile to arrive sums them and runs the epilogue, so decode shapes take one launch, not a GEMM and a
 reduction kernel (extra traffic 2 * SPLIT_K * M * N * 4 bytes, small for small M).

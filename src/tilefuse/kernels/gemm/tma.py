@@ -10,13 +10,13 @@ activation on the fp32 accumulator and stores through TMA, optionally in two N-h
 to halve the registers and shared memory it needs. TMA zero-fills out-of-bounds loads and clips stores,
 so the edges need no masks.
 NORM (layer_norm_linear): ``act(norm(x) @ W^T + b)`` with the normalization moved past the GEMM. With
-W' = W * gamma (gamma along K), s = W' summed over K and c = b + W @ beta (kernels/gemm/launch.py makes
+W' = W * gamma (gamma along K), s = W' summed over K and c = b + W @ beta (kernels/gemm/launch/ makes
 them with norm_prologue.weight_fold_kernel), norm(x) @ W^T + b = rstd * (x @ W'^T - mean * s) + c: the main
 loop is exactly the plain GEMM's, on raw x, and the epilogue applies the rows' mean and rstd, which a
 statistics pre-pass (the norms family's kernel: one read of x, 8 bytes a row written) leaves in su_ptr.
 No normalized x is written.
 Limits: x and y row-contiguous, w [N, K] K-contiguous, row strides multiples of 16 bytes, base pointers
-16-byte aligned; otherwise the launch layer (kernels/gemm/launch.py) runs the portable kernel (portable.py).
+16-byte aligned; otherwise the launch layer (kernels/gemm/launch/) runs the portable kernel (portable.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,228 @@
+"""The LM-head loss, ``cross_entropy(x @ W^T + b, target)`` without the [tokens, vocabulary] logits in HBM at
+once: the forward over vocabulary chunks (cuBLAS logits folded by a row pass) or the online kernel, the
+recomputing backward, and the training form (loss and both gradients over token chunks in one pass)."""
+from __future__ import annotations
+
+import torch
+
+from tilefuse import runtime
+from tilefuse.kernels import fastpath, launches, switches
+from tilefuse.runtime import precision_for
+from tilefuse.sizes import cdiv
+
+# One tile shape (not tuned yet): 64 tokens x 128 vocabulary columns, K in 64-wide steps; the interpreter
+# takes 64 x 64 x 32 (its cost is per program).
+LCE_TILE = dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
+LCE_INTERPRETER_TILE = dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32)
+
+
+def _lce_tile(path):
+    return LCE_INTERPRETER_TILE if path == runtime.INTERPRETER else LCE_TILE
+
+
+def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float, softcap, path):
+    """(loss per row fp32 [M], lse fp32 [M]) of ``cross_entropy(x2d @ w^T + b, target)`` for x2d [M, K] and
+    w [V, K] with unit inner strides, target int [M]: 0 on rows whose target is ``ignore_index``, NaN where
+    the target is outside [0, V). The vocabulary is cut into slices (enough programs for the GPU); their
+    partial (max, sum of exp, target logit, logit sum) merge here."""
+    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel, lce_forward_kernel
+
+    M, K = x2d.shape
+    V = w.shape[0]
+    if switches.gemm.LCE_FORWARD == "chunked":  # cuBLAS makes each vocabulary chunk's logits; a row pass folds them
+        vc = lce_vocab_chunk(M, V, x2d.element_size())
+        splits = cdiv(V, vc)
+        part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
+        tile = LCE_STATS_TILE
+        buf = _logits_buffer(M, vc, x2d)
+        for i, v0 in enumerate(range(0, V, vc)):
+            z = _chunk_logits(x2d, w, b, v0, vc, buf)
+            fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (
+                z, target, part, M, z.shape[1], v0, i, splits, z.stride(0), float(softcap or 0.0)),
+                dict(HAS_SOFTCAP=softcap is not None, **tile))
+        launches.record("linear_cross_entropy", path, f"{splits} vocabulary chunks of {vc}: logits by a GEMM, "
+                        "folded by a row pass", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
+    else:
+        tile = _lce_tile(path)
+        blocks = cdiv(M, tile["BLOCK_M"])
+        vtiles = cdiv(V, tile["BLOCK_V"])
+        if path == runtime.INTERPRETER:
+            splits = min(4, vtiles)
+        else:
+            splits = max(1, min(vtiles, cdiv(2 * runtime.device_facts(x2d.device)[1], blocks)))
+        v_slice = cdiv(vtiles, splits) * tile["BLOCK_V"]
+        splits = cdiv(V, v_slice)
+        part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
+        fastpath.launch(lce_forward_kernel, (blocks, splits), (
+            x2d, w, b if b is not None else w, target, part, M, V, K, v_slice, x2d.stride(0), w.stride(0),
+            float(softcap or 0.0)),
+            dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None,
+                 INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
+                 UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
+        launches.record("linear_cross_entropy", path, f"online lse over {splits} vocabulary slices",
+                        lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
+    return _rows_from_partials(part, target, V, ignore_index, smoothing)
+
+
+def _rows_from_partials(part, target, V: int, ignore_index: int, smoothing: float):
+    """(loss per row, lse per row) from the slices' partials fp32 [4, splits, M] (max, sum of exp, target logit,
+    logit sum): 0 on rows whose target is ``ignore_index``, NaN where it is outside [0, V)."""
+    m = part[0].amax(0)
+    lse = m + torch.log((part[1] * torch.exp(part[0] - m)).sum(0))
+    z_t, z_sum = part[2].sum(0), part[3].sum(0)
+    loss = (1.0 - smoothing) * (lse - z_t) + smoothing * (lse - z_sum / V)
+    ignored = target == ignore_index
+    valid = (target >= 0) & (target < V)
+    loss = torch.where(ignored, 0.0, torch.where(valid, loss, float("nan")))
+    return loss, lse
+
+
+# The training form's token chunk [rows, V]: every chunk after the first reads and rewrites dW, so fewer, larger
+# chunks move fewer bytes; at the Llama-3 head (V 128256, K 4096, bf16) 256 MiB is 1040 rows, 8 chunks per 8192
+# tokens, and the chunk, dW and dx together about 1.4 GB beyond the inputs.
+LCE_TRAINING_CHUNK_BYTES = 256 * 2**20
+
+
+def lce_token_chunk(M: int, V: int, element_size: int) -> int:
+    """Tokens per chunk of the training form: the chunk's logits [rows, V] within LCE_TRAINING_CHUNK_BYTES, the
+    M tokens shared evenly among as few chunks as that allows (no short last chunk: each chunk's GEMMs are one
+    wave of tiles or more, and each reads and rewrites dW), a multiple of 16 rows (at least 16, at most M)."""
+    most = max(16, LCE_TRAINING_CHUNK_BYTES // max(1, V * element_size) // 16 * 16)
+    chunks = cdiv(M, most)
+    return max(1, min(M, cdiv(cdiv(M, chunks), 16) * 16))
+
+
+def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smoothing: float, softcap, need_dx, need_dw,
+                                    need_db, path):
+    """The training form, for losses whose rows all take one gradient (``mean`` and ``sum``): (loss per row fp32 [M],
+    lse fp32 [M], dx [M, K] in x's dtype, dW [V, K] in w's, db fp32 [V]; empty where not asked), the gradients
+    those of the sum of the rows' losses (every row whose target is in [0, V) and not ``ignore_index`` with
+    gradient 1; the backward scales them). One token chunk at a time: its logits over the whole vocabulary by one
+    cuBLAS GEMM, folded into the rows' lse (the forward's row pass) and turned into dz in place (the backward's
+    gradient kernel), then dx's rows and dW (accumulated over the chunks) by two GEMMs: three GEMMs where the
+    forward and the backward apart take four (the backward recomputes the logits). bf16 and fp32: fp16's range
+    cannot hold dW summed over the tokens before the loss's scale is applied."""
+    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel, lce_logit_grad_kernel
+
+    M, K = x2d.shape
+    V = w.shape[0]
+    dev = x2d.device
+    rows = lce_token_chunk(M, V, x2d.element_size())
+    loss = torch.empty((M,), dtype=torch.float32, device=dev)
+    lse = torch.empty((M,), dtype=torch.float32, device=dev)
+    dx = torch.empty((M, K) if need_dx else (0,), dtype=x2d.dtype, device=dev)
+    dw = torch.empty((V, K) if need_dw else (0,), dtype=w.dtype, device=dev)
+    db = torch.zeros((V,) if need_db else (0,), dtype=torch.float32, device=dev)
+    unit = ((target != ignore_index) & (target >= 0) & (target < V)).float()  # each kept row's gradient: 1
+    stats, grad = LCE_STATS_TILE, LCE_GRAD_TILE
+    buf = _logits_buffer(rows, V, x2d)
+    for m0 in range(0, M, rows):
+        x_c, t_c, u_c = x2d[m0:m0 + rows], target[m0:m0 + rows], unit[m0:m0 + rows]
+        m = x_c.shape[0]
+        p_c = torch.empty((4, 1, m), dtype=torch.float32, device=dev)  # dense: the kernel's planes are m apart
+        z = _chunk_logits(x_c, w, b, 0, V, buf)
+        fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]),), (
+            z, t_c, p_c, m, V, 0, 0, 1, z.stride(0), float(softcap or 0.0)),
+            dict(HAS_SOFTCAP=softcap is not None, **stats))
+        loss[m0:m0 + m], lse[m0:m0 + m] = _rows_from_partials(p_c, t_c, V, ignore_index, smoothing)
+        fastpath.launch(lce_logit_grad_kernel, (cdiv(m, grad["BLOCK_M"]), cdiv(V, grad["BLOCK_V"])), (
+            z, t_c, lse[m0:m0 + m], u_c, m, V, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing), 1.0),
+            dict(HAS_SOFTCAP=softcap is not None, **grad))
+        if need_dx:
+            torch.mm(z, w, out=dx[m0:m0 + m])
+        if need_dw:  # beta 0 on the first chunk: dW's uninitialised memory is not read
+            dw.addmm_(z.t(), x_c, beta=0.0 if m0 == 0 else 1.0)
+        if need_db:
+            db += z.sum(0, dtype=torch.float32)
+    launches.record("linear_cross_entropy", path, f"training form: {cdiv(M, rows)} token chunks of {rows}: logits by "
+                    "a GEMM, folded, dz in place, dx and dW GEMMs", lambda: f"{stats['BLOCK_M']}x{stats['BLOCK_V']}, "
+                    f"{grad['BLOCK_M']}x{grad['BLOCK_V']}")
+    return loss, lse, dx, dw, db
+
+
+LCE_CHUNK_BYTES = 128 * 2**20  # the one [T, VC] logits chunk of the backward (and of the chunked forward)
+LCE_GRAD_TILE = dict(BLOCK_M=32, BLOCK_V=128)
+LCE_FP16_SCALE = 2.0 ** 12  # fp16 dz chunk: |dz'| <= 4096, and softmax values down to 1.5e-8 stay normal
+LCE_STATS_TILE = dict(BLOCK_M=8, BLOCK_V=256)  # the chunked forward's row pass: 80 registers on sm_90a, no spills
+
+
+# Row pitch of a logits chunk on CUDA, in elements: 128 bytes in bf16. cuBLAS's tensor-core GEMMs need every row of
+# an operand to start 16-byte aligned; a dense [rows, V] chunk at GPT-2's V of 50257 has rows 100514 bytes apart,
+# and the three GEMMs that write and read it then run kernels several times slower. On a CPU each chunk is a dense
+# tensor of its own: torch's CPU bf16 matmul reads a padded operand's padding (NaN there comes out in the product).
+LOGITS_PITCH = 64
+
+
+def _logits_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
+    """On CUDA, storage for [<= rows, <= cols] logits chunks in ``like``'s dtype with rows LOGITS_PITCH-padded
+    apart, made once per call and rewritten by every chunk (stream order keeps each chunk's readers before the
+    next GEMM); None on a CPU."""
+    if not like.is_cuda:
+        return None
+    return torch.empty((rows, cdiv(cols, LOGITS_PITCH) * LOGITS_PITCH), dtype=like.dtype, device=like.device)
+
+
+def _chunk_logits(x2d, w, b, v0: int, vc: int, buf: torch.Tensor | None) -> torch.Tensor:
+    """x2d @ W[v0:v0 + vc]^T (+ b's chunk) by cuBLAS: one vocabulary chunk's logits [M, <= vc] in x's dtype, in
+    ``buf`` (:func:`_logits_buffer`, a view whose rows are its pitch apart) when there is one."""
+    w_c = w[v0:v0 + vc].t()
+    if buf is None:
+        return torch.mm(x2d, w_c) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c)
+    z = buf[:x2d.shape[0], :w_c.shape[1]]
+    return torch.mm(x2d, w_c, out=z) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c, out=z)
+
+
+def lce_vocab_chunk(M: int, V: int, element_size: int) -> int:
+    """Vocabulary entries per backward chunk: the chunk [M, VC] within LCE_CHUNK_BYTES, a multiple of 128."""
+    vc = LCE_CHUNK_BYTES // max(1, M * element_size)
+    return max(128, min(V, vc // 128 * 128 or 128))
+
+
+def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: float, softcap, need_dx, need_dw,
+                                  need_db, path):
+    """(dx [M, K] in x's dtype, dW [V, K] in w's, db [V] in b's; empty where not asked) from dloss fp32 [M]
+    (0 on rows that get no gradient), one vocabulary chunk at a time: the chunk's logits recomputed by a GEMM,
+    made into dz in place (cross_entropy.py), then dW's rows of the chunk (one GEMM over all tokens) and dx
+    (accumulated in fp32 over the chunks). No atomics: deterministic."""
+    from tilefuse.kernels.gemm.cross_entropy import lce_logit_grad_kernel
+
+    M, K = x2d.shape
+    V = w.shape[0]
+    vc = lce_vocab_chunk(M, V, x2d.element_size())
+    tile = LCE_GRAD_TILE
+    # fp16's exponent range: dloss * (softmax - onehot) is ~ 1 / (tokens * V) under "mean" and would be stored
+    # as a subnormal (a bit or two of precision). In fp16 the chunk holds dz / c * LCE_FP16_SCALE instead, c the
+    # largest |dloss| (a device scalar: no host synchronisation), and the GEMMs undo the scale in fp32.
+    scaled = x2d.dtype == torch.float16
+    if scaled:
+        c = dloss.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+        dloss = dloss / c
+    dx = torch.zeros((M, K) if need_dx else (0,), dtype=torch.float32, device=x2d.device)
+    dw = torch.empty((V, K) if need_dw else (0,), dtype=w.dtype, device=x2d.device)
+    db = torch.empty((V,) if need_db else (0,), dtype=torch.float32, device=x2d.device)
+    alpha = 1.0 / LCE_FP16_SCALE if scaled else 1.0  # a power of two: exact
+    buf = _logits_buffer(M, vc, x2d)
+    for v0 in range(0, V, vc):
+        w_c = w[v0:v0 + vc]
+        z = _chunk_logits(x2d, w, b, v0, vc, buf)
+        n = z.shape[1]
+        fastpath.launch(lce_logit_grad_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(n, tile["BLOCK_V"])), (
+            z, target, lse, dloss, M, n, V, v0, z.stride(0), float(softcap or 0.0), float(smoothing),
+            LCE_FP16_SCALE if scaled else 1.0),
+            dict(HAS_SOFTCAP=softcap is not None, **tile))
+        if need_dw:  # fp16: dW rows = c * (dz'^T x) / scale (dz'^T x / scale, i.e. dW / c, must fit fp16)
+            dw_c = dw[v0:v0 + n]
+            torch.addmm(dw_c, z.t(), x2d, beta=0, alpha=alpha, out=dw_c)
+            if scaled:
+                dw_c.mul_(c)
+        if need_dx:
+            if scaled:
+                dx.addcmul_(torch.addmm(z.new_zeros(()), z, w_c, beta=0, alpha=alpha), c)
+            else:
+                dx += torch.mm(z, w_c)
+        if need_db:
+            db[v0:v0 + n] = z.sum(0, dtype=torch.float32) * (c * alpha if scaled else 1.0)
+    launches.record("linear_cross_entropy_backward", path, f"{cdiv(V, vc)} vocabulary chunks of {vc}: logits "
+                    "recomputed (GEMM), dz in place, dW and dx GEMMs", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
+    return (dx.to(x2d.dtype) if need_dx else dx, dw,
+            db.to(b.dtype) if need_db and b is not None else db)
