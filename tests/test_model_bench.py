@@ -1,6 +1,10 @@
 """tilefuse bench prefill / train on a CPU: tiny configurations of each family, eager beside patched."""
+import importlib.util
 import json
 import math
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +108,130 @@ def test_cli_compile_mode_reaches_the_compiled_variants(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "prefill", "--compile-mode", "fastest"])
     assert exc.value.code == 2 and "--compile-mode" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ Liger-Kernel
+
+def test_liger_variant_without_liger_installed_records_why_and_the_rest_run(tmp_path, monkeypatch):
+    """liger-kernel absent (forced: None in sys.modules fails the import whatever is installed): the variant's
+    entry is the failure naming the package to install, eager still runs and has no Liger ratio."""
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    result = model_bench.run("prefill", "llama-1b", ["eager", "liger-kernel"], str(tmp_path), repeats=1,
+                             progress=False)
+    liger, eager = result["variants"]["liger-kernel"], result["variants"]["eager"]
+    assert liger["error"] == "ImportError: liger-kernel is not installed: pip install liger-kernel==0.8.5", liger
+    assert eager["error"] is None and eager["ms"] > 0 and eager["speedup_vs_liger"] is None, eager
+    assert json.loads((tmp_path / "prefill.json").read_text())["variants"]["liger-kernel"]["error"] == liger["error"]
+    text = model_bench.summary_text(result)
+    assert "liger-kernel: failed: ImportError: liger-kernel is not installed: pip install liger-kernel==0.8.5" in text
+
+
+@pytest.fixture
+def fake_liger(monkeypatch):
+    """A stand-in ``liger_kernel.transformers`` whose patch function records its calls and, as Liger's does,
+    rebinds ``apply_rotary_pos_emb`` in transformers' Llama module (to a counting wrapper of the original)."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    seen = {"calls": [], "rope_calls": 0, "original": original}
+
+    def counting_rope(*args, **kwargs):
+        seen["rope_calls"] += 1
+        return original(*args, **kwargs)
+
+    def apply_liger_kernel_to_llama(model=None, **kwargs):
+        seen["calls"].append({"model": model, **kwargs})
+        modeling_llama.apply_rotary_pos_emb = counting_rope
+
+    transformers_module = types.ModuleType("liger_kernel.transformers")
+    transformers_module.apply_liger_kernel_to_llama = apply_liger_kernel_to_llama
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", transformers_module)
+    yield seen
+    modeling_llama.apply_rotary_pos_emb = original  # the test's own safety net; run() must already have done it
+
+
+@pytest.mark.parametrize("kind", ["prefill", "train"])
+def test_liger_variant_patches_a_fresh_llama_and_is_compared(kind, tmp_path, fake_liger):
+    """The Liger variant calls apply_liger_kernel_to_llama once with its own freshly built Llama, runs through
+    what the patch installed, has its ratio keys (each variant against Liger), and leaves transformers' Llama
+    module as it was: eager after it would not run Liger's code."""
+    from transformers.models.llama import modeling_llama
+
+    kwargs = dict(repeats=1) if kind == "prefill" else dict(steps=2)
+    result = model_bench.run(kind, "llama-1b", ["eager", "liger-kernel"], str(tmp_path), progress=False, **kwargs)
+    eager, liger = result["variants"]["eager"], result["variants"]["liger-kernel"]
+    assert eager["error"] is None and liger["error"] is None, result
+    [call] = fake_liger["calls"]
+    assert isinstance(call["model"], modeling_llama.LlamaForCausalLM)
+    assert call["rope"] and call["fused_linear_cross_entropy"] and not call["cross_entropy"], call
+    assert fake_liger["rope_calls"] > 0  # the patched module function ran in the Liger variant
+    assert modeling_llama.apply_rotary_pos_emb is fake_liger["original"]
+    assert "peak_memory_bytes" in liger and liger["patch_s"] is not None
+    text = model_bench.summary_text(result)
+    if kind == "prefill":
+        assert eager["speedup_vs_liger"] == pytest.approx(liger["ms"] / eager["ms"])
+        assert liger["speedup_vs_liger"] == 1.0
+        assert liger["rel_l2_vs_eager"] == 0.0  # the stand-in patch changes no numbers
+    else:
+        assert eager["vs_liger"] == pytest.approx(eager["tokens_per_s"] / liger["tokens_per_s"])
+        assert liger["vs_liger"] == 1.0 and liger["loss_curve"] == eager["loss_curve"]
+    assert text.count("x liger ") == 2, text
+
+
+def test_liger_does_not_apply_to_gpt2(tmp_path, monkeypatch):
+    """GPT-2 has no Liger patch: left out of its default variants and said so in the result and the summary;
+    named explicitly, refused before any work. The Llama models take it by default."""
+    _, chosen = model_bench.resolve("train", "gpt2-small", None, False)
+    assert "liger-kernel" not in chosen and "tilefuse" in chosen
+    assert model_bench.resolve("prefill", "llama-7b", None, False)[1][-1] == "liger-kernel"
+    with pytest.raises(mlp_train.BenchArgumentError, match="Liger-Kernel has no GPT-2 patch"):
+        model_bench.resolve("prefill", "gpt2-medium", ["eager", "liger"], False)
+    assert mlp_train.VARIANTS == ("eager", "tilefuse", "torch.compile", "torch.compile over tilefuse")
+    with pytest.raises(mlp_train.BenchArgumentError, match="unknown variant"):
+        mlp_train.variant_name("liger-kernel")  # the MLP benchmark has none
+
+    def fake_train(variant, name, batch, seq, steps, *args, other_sdpa_backend=False):
+        return {"tokens_per_s": 1.0, "step_ms": 1.0, "peak_memory_bytes": None, "loss_curve": [1.0] * steps,
+                "final_loss": 1.0, "patch_s": None, "compiled_graphs": None, "graph_breaks": None, "error": None}
+    monkeypatch.setattr(model_bench, "_train", fake_train)
+    result = model_bench.run("train", "gpt2-small", ["eager"], str(tmp_path), steps=2, progress=False)
+    assert result["not_applicable"] == {"liger-kernel": "Liger-Kernel has no GPT-2 patch"}
+    assert "liger-kernel: not applicable to gpt2-small: Liger-Kernel has no GPT-2 patch" in (
+        model_bench.summary_text(result))
+
+
+# ------------------------------------------------------------------------------- benchmarks/loss_curves.py
+
+def _loss_curves():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "loss_curves.py"
+    spec = importlib.util.spec_from_file_location("loss_curves", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_loss_curves_verdict_takes_the_wider_band():
+    lc = _loss_curves()
+    wide = lc.verdict([4.0, 4.2, 4.4], [4.39, 4.39, 4.39])  # spread 0.4 > 2% of 4.2: the spread decides
+    assert wide["band_kind"] == "eager seeds' spread" and wide["band"] == [4.0, 4.4] and wide["verdict"] == "PASS"
+    assert lc.verdict([4.0, 4.2, 4.4], [4.5, 4.5, 4.5])["verdict"] == "FAIL"
+    narrow = lc.verdict([4.0, 4.001, 4.002], [4.03, 4.03, 4.03])  # 0.75% off; the spread is only 0.002
+    assert narrow["band_kind"] == "eager mean +-1%" and narrow["verdict"] == "PASS"
+    assert lc.verdict([4.0, 4.001, 4.002], [4.05, 4.05, 4.05])["verdict"] == "FAIL"  # 1.2% off
+    assert lc.verdict([4.0, math.inf, 4.2], [4.1, 4.1, 4.1])["within"] is False
+    assert lc.default_tail_from(200) == 150 and lc.tail_mean([1.0, 2.0, 3.0, 5.0], 3, 4) == 4.0
+
+
+def test_loss_curves_script_smoke(tmp_path):
+    """One tiny model, one seed, two steps: both variants train, the check and the JSON are there."""
+    lc = _loss_curves()
+    out = tmp_path / "lc.json"
+    result = lc.run(["gpt2-small"], [0], steps=2, out=str(out), log=lambda s: None)
+    m = result["models"]["gpt2-small"]
+    assert all(m["runs"][v]["0"]["error"] is None for v in ("eager", "tilefuse")), m["runs"]
+    assert result["tail_steps"] == [2, 2] and m["runs"]["eager"]["0"]["tail_mean"] == m["runs"]["eager"]["0"][
+        "loss_curve"][1]
+    assert m["check"]["verdict"] == "PASS", m["check"]
+    assert json.loads(out.read_text())["models"]["gpt2-small"]["check"]["verdict"] == "PASS"
+    assert "gpt2-small" in lc.summary_text(result)

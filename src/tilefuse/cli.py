@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--retune", action="store_true",
                    help="ignore configs already in the user cache or the shipped table; benchmark every key")
     sub.add_parser("info", help="versions, device, and which execution path runs")
-    from tilefuse.harness import mlp_train  # imports torch only: triton stays unimported here
+    from tilefuse.harness import mlp_train, model_bench  # import torch only: triton stays unimported here
 
     b = sub.add_parser("bench", help="end-to-end benchmarks (timed on a GPU)")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -86,14 +86,17 @@ def _parser() -> argparse.ArgumentParser:
         k = bsub.add_parser(
             kind, help=f"Hugging Face models from their configs: {what}",
             description=f"{what.capitalize()}, for a Hugging Face model built from its config (random weights, "
-            "no downloads, dropout 0): HF eager, tilefuse.patch-ed, torch.compile of the eager model and "
+            "no downloads, dropout 0): HF eager, tilefuse.patch-ed, torch.compile of the eager model, "
             "torch.compile over the patched one (mode=\"max-autotune-no-cudagraphs\" on a GPU unless "
-            "--compile-mode says). bf16 on a GPU; without one, a tiny configuration of the same family in the "
+            "--compile-mode says) and, for the Llama models, Liger-Kernel (apply_liger_kernel_to_llama; needs "
+            f"pip install {model_bench.LIGER_PIN}, else its entry records that it is not installed; GPT-2 has no "
+            "Liger patch). bf16 on a GPU; without one, a tiny configuration of the same family in the "
             f"Triton interpreter (times mean nothing there). Writes {kind}.json and a PNG.")
         k.add_argument("--model", default=None, help=f"one of: llama-7b, llama-1b, gpt2-medium, gpt2-small "
                        f"(default {default})")
-        k.add_argument("--variants", nargs="+", metavar="NAME", help="a subset of: eager, tilefuse, torch.compile, "
-                       "torch.compile over tilefuse (default: all; '-' may stand for a space)")
+        k.add_argument("--variants", nargs="+", metavar="NAME",
+                       help=f"a subset of: {', '.join(model_bench.VARIANTS)} (default: all that apply to the model; "
+                       f"{model_bench.LIGER} runs on the Llama models only; '-' may stand for a space)")
         if kind == "train":
             k.add_argument("--steps", type=int, default=None, help="steps per variant (default: the model's: "
                            "200 for GPT-2, 100 for Llama; 3 without a GPU)")
@@ -196,6 +199,11 @@ def cmd_info() -> int:
     print(f"path: {path} — {explain}")
     from tilefuse import registry
     print("ops: " + ", ".join(registry.REGISTRY))
+    from tilefuse.kernels import switches
+    print(f"switches (tilefuse.kernels.switches; {switches.ENV}=\"family.NAME=value,...\" sets them):")
+    for row in switches.describe():
+        changed = "" if row["value"] == row["default"] else f"  (default {row['default']!r})"
+        print(f"  {row['family']}.{row['name']} = {row['value']!r}{changed}: {row['doc']}")
     return 0
 
 

@@ -1,9 +1,19 @@
 """``tilefuse bench prefill`` and ``tilefuse bench train``: Hugging Face models built from their configs (random
-weights, no downloads, dropout 0), four ways in one run: HF eager, ``tilefuse.patch``-ed, torch.compile of the
-eager model, and torch.compile over the patched one.
+weights, no downloads, dropout 0), up to five ways in one run: HF eager, ``tilefuse.patch``-ed, torch.compile of
+the eager model, torch.compile over the patched one, and Liger-Kernel (``liger-kernel``) where it applies.
+
+- Liger-Kernel: ``liger_kernel.transformers.apply_liger_kernel_to_llama`` on a freshly built instance (RoPE,
+  RMSNorm, SwiGLU and the fused linear cross-entropy: Liger's defaults, passed explicitly), Llama models only.
+  GPT-2 has no Liger patch function: the variant is left out of a GPT-2 run's defaults (the result's
+  ``not_applicable`` and the summary say why) and naming it for GPT-2 is a BenchArgumentError. liger-kernel
+  is an optional, benchmark-only dependency: where it is not installed, the variant's entry is a failure
+  saying so (the other variants run). Liger also rebinds functions and classes of transformers' Llama module
+  (RoPE, the norm and MLP classes); those are put back after the variant (``liger_scope``), so nothing built
+  or run later in the process runs Liger's code.
 
 - prefill: one forward of B sequences of N tokens in eval mode without grad; the median of ``repeats``
-  forwards between CUDA events after a warm-up; logits rel-L2 against eager's (fp32 norms of the bf16 logits).
+  forwards between CUDA events after a warm-up; peak memory over those forwards (``max_memory_allocated``,
+  the stats reset after the warm-up); logits rel-L2 against eager's (fp32 norms of the bf16 logits).
 - train: AdamW (lr 1e-4) on the model's bf16 parameters, labels = the inputs (HF shifts them), a fixed seeded
   batch per step index (the same data in every variant); tokens/s over the steps after the warm-up, peak memory
   (``torch.cuda.max_memory_allocated`` after the warm-up), the loss curve, and the loss against eager's at steps
@@ -17,10 +27,12 @@ eager model, and torch.compile over the patched one.
 Models: Llama-7B shape (32 layers, hidden 4096, MLP 11008, 32 heads), GPT-2-medium shape (n_positions 2048),
 Llama-1B shape (16 layers, hidden 2048, MLP 8192, GQA 32/8, vocab 128256, untied) and GPT-2-small shape; on a
 CPU each becomes a tiny configuration of the same family (the kernels run in the Triton interpreter: the
-numbers are real, the times are not). ``patch`` itself is timed in each patched variant (``patch_s``).
+numbers are real, the times are not). ``patch`` itself is timed in each patched variant (``patch_s``; for
+Liger-Kernel, its patch function).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -28,10 +40,15 @@ from pathlib import Path
 
 import torch
 
-from tilefuse.harness.mlp_train import (BenchArgumentError, _dtype_name, _dynamo_counts, _failure, _release,
-                                        _sync, timed_steps)
+from tilefuse.harness.mlp_train import (LINESTYLES, BenchArgumentError, _dtype_name, _dynamo_counts, _failure,
+                                        _release, _sync, timed_steps)
 
-VARIANTS = ("eager", "tilefuse", "torch.compile", "torch.compile over tilefuse")
+LIGER = "liger-kernel"
+# the MLP benchmark's four (harness/mlp_train.py, which has no Liger equivalent) and Liger-Kernel's patch
+VARIANTS = ("eager", "tilefuse", "torch.compile", "torch.compile over tilefuse", LIGER)
+LIGER_PIN = "liger-kernel==0.8.5"   # the version the registry's Liger anchors are measured with
+LIGER_FAMILIES = ("llama",)          # model families with a Liger patch function used here
+LIGER_NOT_APPLICABLE = "Liger-Kernel has no GPT-2 patch"
 GPU_COMPILE_MODE = "max-autotune-no-cudagraphs"
 LR = 1e-4
 LOSS_RTOL = 0.01
@@ -83,9 +100,69 @@ def build_model(name: str, on_gpu: bool, seed: int):
     return model.eval()
 
 
+def liger_patch_function():
+    """``liger_kernel.transformers.apply_liger_kernel_to_llama``; ImportError saying how to install liger-kernel
+    where it is not installed (an installed liger-kernel that fails to import raises its own error)."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "liger_kernel":
+            raise
+        raise ImportError(f"liger-kernel is not installed: pip install {LIGER_PIN}") from None
+    return apply_liger_kernel_to_llama
+
+
+@contextlib.contextmanager
+def liger_scope():
+    """Run the Liger-Kernel variant inside this: afterwards, transformers' Llama module
+    (``transformers.models.llama.modeling_llama``: ``apply_rotary_pos_emb``, ``LlamaRMSNorm``, ``LlamaMLP``),
+    ``LlamaForCausalLM.forward`` and ``torch.nn.functional.cross_entropy`` are what they were before.
+
+    ``apply_liger_kernel_to_llama`` rebinds those module-level names even when given a model instance, and
+    HF's attention looks ``apply_rotary_pos_emb`` up at call time: without this, every Llama run after the
+    Liger variant in the same process (eager included) would run Liger's RoPE. The patched instance keeps
+    its own bound methods, so the variant itself is unaffected while inside."""
+    import torch.nn.functional as F
+    from transformers.models.llama import modeling_llama
+
+    names = dict(vars(modeling_llama))
+    causal_lm = modeling_llama.LlamaForCausalLM
+    forward = causal_lm.__dict__.get("forward")
+    cross_entropy = F.cross_entropy
+    try:
+        yield
+    finally:
+        for key in [k for k in vars(modeling_llama) if k not in names]:
+            delattr(modeling_llama, key)
+        for key, value in names.items():
+            if vars(modeling_llama).get(key) is not value:
+                setattr(modeling_llama, key, value)
+        if causal_lm.__dict__.get("forward") is not forward:
+            if forward is None:
+                delattr(causal_lm, "forward")
+            else:
+                causal_lm.forward = forward
+        F.cross_entropy = cross_entropy
+
+
+def _variant_scope(variant):
+    return liger_scope() if variant == LIGER else contextlib.nullcontext()
+
+
 def _variant_model(variant, name, on_gpu, seed, compile_mode):
-    """(callable, the module underneath, seconds patch took) for one variant, built afresh from the seed."""
+    """(callable, the module underneath, seconds patch took) for one variant, built afresh from the seed; for
+    the Liger-Kernel variant the seconds are those of ``apply_liger_kernel_to_llama`` (call it inside
+    ``liger_scope``)."""
     from tilefuse.patching import patch
+    if variant == LIGER:
+        if MODELS[name][0] not in LIGER_FAMILIES:
+            raise ValueError(f"{LIGER_NOT_APPLICABLE} ({name})")
+        apply_liger = liger_patch_function()  # before the build: a missing package costs no model
+        model = build_model(name, on_gpu, seed)
+        t0 = time.perf_counter()
+        apply_liger(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
+                    model=model)
+        return model, model, time.perf_counter() - t0
     model = build_model(name, on_gpu, seed)
     patch_s = None
     if "tilefuse" in variant:
@@ -115,6 +192,8 @@ def _prefill(variant, name, batch, n, repeats, seed, on_gpu, compile_mode, refer
         logits = fwd(input_ids=ids).logits  # warm-up: compiles, tunes
         logits = fwd(input_ids=ids).logits
         _sync(device)
+        if on_gpu:  # the timed forwards' peak (the warm-up's autotuning buffers left out), logits of one kept
+            torch.cuda.reset_peak_memory_stats(device)
         times = []
         for _ in range(repeats):
             if on_gpu:
@@ -128,9 +207,10 @@ def _prefill(variant, name, batch, n, repeats, seed, on_gpu, compile_mode, refer
                 t0 = time.perf_counter()
                 fwd(input_ids=ids)
                 times.append(1e3 * (time.perf_counter() - t0))
+    peak = torch.cuda.max_memory_allocated(device) if on_gpu else None
     times.sort()
     out = logits.float().cpu()
-    entry = {"ms": times[len(times) // 2], "patch_s": patch_s, "error": None,
+    entry = {"ms": times[len(times) // 2], "peak_memory_bytes": peak, "patch_s": patch_s, "error": None,
              "rel_l2_vs_eager": None if reference is None else float((out - reference).norm() / reference.norm())}
     return entry, out
 
@@ -207,16 +287,47 @@ def _train(variant, name, batch, seq, steps, warmup, seed, on_gpu, compile_mode,
     return entry
 
 
+def variant_name(text: str) -> str:
+    """A variant of this benchmark from its name, case-insensitive, '-' or '_' standing for spaces (and a
+    space for the '-' of liger-kernel; "liger" alone is liger-kernel). Its own resolver, not mlp_train's:
+    the MLP benchmark has no Liger variant."""
+    def key(s):
+        return " ".join(s.replace("-", " ").replace("_", " ").lower().split())
+    wanted = key(text)
+    if wanted == "liger":
+        return LIGER
+    for name in VARIANTS:
+        if key(name) == wanted:
+            return name
+    raise BenchArgumentError(f"--variants: unknown variant {text!r}; known: {', '.join(VARIANTS)} "
+                             "(on a command line '-' may stand for a space)")
+
+
+def default_variants(model: str) -> tuple[str, ...]:
+    """The variants a run of ``model`` takes when none are named: all those that apply to its family."""
+    return tuple(v for v in VARIANTS if v != LIGER or MODELS[model][0] in LIGER_FAMILIES)
+
+
+def not_applicable(model: str) -> dict:
+    """{variant: why} for the variants that do not apply to ``model`` (recorded in the result, printed)."""
+    return {} if MODELS[model][0] in LIGER_FAMILIES else {LIGER: LIGER_NOT_APPLICABLE}
+
+
 def resolve(kind: str, model: str | None, variants, on_gpu: bool):
-    """(model name, variants in canonical order); raises BenchArgumentError before any work."""
-    from tilefuse.harness.mlp_train import variant_name
+    """(model name, variants in canonical order); raises BenchArgumentError before any work, also for a
+    variant named that does not apply to the model (liger-kernel on GPT-2)."""
     default = {"prefill": "llama-7b", "train": "gpt2-small"}[kind]
     model = model or default
     if model not in MODELS:
         raise BenchArgumentError(f"--model: unknown model {model!r}; known: {', '.join(MODELS)}")
     if variants is not None and not variants:
         raise BenchArgumentError(f"--variants: name at least one of {', '.join(VARIANTS)}")
-    chosen = {variant_name(v) for v in (variants or VARIANTS)}
+    chosen = {variant_name(v) for v in (variants or default_variants(model))}
+    for variant, why in not_applicable(model).items():
+        if variant in chosen:
+            llamas = ", ".join(n for n, m in MODELS.items() if m[0] in LIGER_FAMILIES)
+            raise BenchArgumentError(f"--variants: {variant} does not apply to {model}: {why} (it runs on the "
+                                     f"Llama models: {llamas})")
     return model, [v for v in VARIANTS if v in chosen]
 
 
@@ -238,7 +349,8 @@ def run(kind: str, model: str | None = None, variants=None, out_dir: str = "benc
     env = environment()
     result = {"benchmark": kind, "model": name, "device": env["device"], "path": env["path"], "environment": env,
               "dtype": _dtype_name(torch.bfloat16 if on_gpu else torch.float32), "seed": seed,
-              "compile": {"mode": compile_mode or "default", "dynamic": False}, "variants": {}}
+              "compile": {"mode": compile_mode or "default", "dynamic": False},
+              "not_applicable": not_applicable(name), "variants": {}}
     if kind == "prefill":
         batch, n = prefill_shape if on_gpu else TINY_PREFILL
         result.update(batch=batch, tokens=n, repeats=repeats)
@@ -257,14 +369,16 @@ def run(kind: str, model: str | None = None, variants=None, out_dir: str = "benc
         for variant in chosen:
             bar.update(task, description=f"{kind} {name}: {variant}")
             try:
-                if kind == "prefill":
-                    entry, logits = _prefill(variant, name, batch, n, repeats, seed, on_gpu, compile_mode, reference)
-                    if variant == "eager":
-                        reference = logits
-                    bar.advance(task)
-                else:
-                    entry = _train(variant, name, batch, seq, steps, warmup, seed, on_gpu, compile_mode,
-                                   lambda: bar.advance(task))
+                with _variant_scope(variant):
+                    if kind == "prefill":
+                        entry, logits = _prefill(variant, name, batch, n, repeats, seed, on_gpu, compile_mode,
+                                                 reference)
+                        if variant == "eager":
+                            reference = logits
+                        bar.advance(task)
+                    else:
+                        entry = _train(variant, name, batch, seq, steps, warmup, seed, on_gpu, compile_mode,
+                                       lambda: bar.advance(task))
             except Exception as exc:  # noqa: BLE001 - recorded, never hidden
                 entry = _failure(exc)
             result["variants"][variant] = entry
@@ -316,18 +430,23 @@ def _max_rel_diff(curve, base):
 
 
 def _ratios(result, kind):
+    """Each finished variant against eager, torch.compile and Liger-Kernel (None where that one did not run
+    or failed): prefill ``speedup_vs_*`` (their ms over its ms), train ``vs_*`` (its tokens/s over theirs);
+    train also the loss checks against eager."""
     vs = result["variants"]
     ok = {n: v for n, v in vs.items() if v.get("error") is None}
     if kind == "prefill":
         for v in ok.values():
             v["speedup_vs_eager"] = ok["eager"]["ms"] / v["ms"] if "eager" in ok else None
             v["speedup_vs_torch_compile"] = ok["torch.compile"]["ms"] / v["ms"] if "torch.compile" in ok else None
+            v["speedup_vs_liger"] = ok[LIGER]["ms"] / v["ms"] if LIGER in ok else None
         return
     eager = ok.get("eager")
     for v in ok.values():
         v["vs_eager"] = v["tokens_per_s"] / eager["tokens_per_s"] if eager else None
         v["vs_torch_compile"] = (v["tokens_per_s"] / ok["torch.compile"]["tokens_per_s"]
                                  if "torch.compile" in ok else None)
+        v["vs_liger"] = v["tokens_per_s"] / ok[LIGER]["tokens_per_s"] if LIGER in ok else None
         checks = {}
         if eager:
             for i in range(LOSS_CHECK_EVERY - 1, len(v["loss_curve"]), LOSS_CHECK_EVERY):
@@ -343,23 +462,25 @@ def _ratios(result, kind):
                                                if eager and floor["error"] is None else None)
 
 
+STYLES = {**LINESTYLES, LIGER: ("#2ca02c", "-")}  # variant -> (colour, line style): mlp-train's four and Liger's
+
+
 def _plot(result, kind, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tilefuse.harness.mlp_train import LINESTYLES
     ok = {n: v for n, v in result["variants"].items() if v.get("error") is None}
     fig, ax = plt.subplots(figsize=(7, 3.6), layout="constrained")
     if kind == "prefill":
         names = list(ok)
-        ax.barh(names, [ok[n]["ms"] for n in names], color=[LINESTYLES[n][0] for n in names])
+        ax.barh(names, [ok[n]["ms"] for n in names], color=[STYLES[n][0] for n in names])
         ax.set_xlabel("ms per forward (median)")
         ax.set_title(f"prefill {result['model']}: B={result['batch']} N={result['tokens']}, {result['dtype']} · "
                      f"{result['device']}", fontsize=9)
     else:
         for n, v in ok.items():
-            color, style = LINESTYLES[n]
+            color, style = STYLES[n]
             ax.plot(range(1, len(v["loss_curve"]) + 1), v["loss_curve"], style, color=color, label=n)
         floor = result.get("noise_floor")
         if floor and floor["error"] is None:
@@ -379,20 +500,27 @@ def summary_text(result) -> str:
     kind = result["benchmark"]
     lines = [f"{kind} {result['model']} on {result['device']} ({result['path']}), {result['dtype']}, "
              f"torch.compile mode {result['compile']['mode']}"]
+    with_liger = LIGER in result["variants"]
     for n, v in result["variants"].items():
         if v.get("error"):
             lines.append(f"  {n}: failed: {v['error']}")
         elif kind == "prefill":
             lines.append(f"  {n}: {v['ms']:.3f} ms, x eager {_f(v.get('speedup_vs_eager'))}, x compile "
-                         f"{_f(v.get('speedup_vs_torch_compile'))}, logits rel-L2 vs eager {_f(v['rel_l2_vs_eager'], '.1e')}"
+                         f"{_f(v.get('speedup_vs_torch_compile'))}"
+                         + (f", x liger {_f(v.get('speedup_vs_liger'))}" if with_liger else "")
+                         + f", peak {_mib(v.get('peak_memory_bytes'))}, logits rel-L2 vs eager "
+                         f"{_f(v['rel_l2_vs_eager'], '.1e')}"
                          + (f", patch {v['patch_s']:.2f} s" if v["patch_s"] is not None else ""))
         else:
-            peak = v["peak_memory_bytes"]
             lines.append(f"  {n}: {v['tokens_per_s']:,.0f} tokens/s, x eager {_f(v.get('vs_eager'))}, x compile "
-                         f"{_f(v.get('vs_torch_compile'))}, peak {'–' if peak is None else f'{peak / 2**20:,.0f} MiB'}, "
+                         f"{_f(v.get('vs_torch_compile'))}"
+                         + (f", x liger {_f(v.get('vs_liger'))}" if with_liger else "")
+                         + f", peak {_mib(v['peak_memory_bytes'])}, "
                          f"final loss {v['final_loss']:.5g}, loss within 1% at every 20th step: "
                          f"{v.get('loss_within_1pct_at_checked_steps')}, max loss diff vs eager at the checkpoints "
                          f"{_pct(v.get('max_rel_loss_diff_vs_eager'))}")
+    for n, why in result.get("not_applicable", {}).items():
+        lines.append(f"  {n}: not applicable to {result['model']}: {why}")
     floor = result.get("noise_floor")
     if floor is not None:
         if floor["error"]:
@@ -405,6 +533,10 @@ def summary_text(result) -> str:
     if result["path"] != "compiled":
         lines.append("(no GPU: the kernels ran in the Triton interpreter; the times mean nothing)")
     return "\n".join(lines)
+
+
+def _mib(v):
+    return "–" if v is None else f"{v / 2**20:,.0f} MiB"
 
 
 def _pct(v):
