@@ -22,8 +22,12 @@ def row_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, reciprocal) fp32 from each row's amax (fp32, NaN rows given as inf): scale = amax / 448 and
     448 / amax, each rounded once; an all-zero row gets scale 1.0, a row holding NaN or inf a NaN scale."""
     safe = torch.where(amax == 0, torch.full_like(amax, FP8_MAX), amax.clamp_min(MIN_AMAX))
-    scale = torch.where(torch.isinf(safe), torch.full_like(safe, float("nan")), safe / FP8_MAX)
-    return scale, FP8_MAX / safe
+    # In float64, then rounded to fp32: the correctly rounded fp32 quotient (53 bits hold a division's result
+    # rounded twice without error), where torch's fp32 division by a scalar on CUDA multiplies by its reciprocal
+    # and ``448 / t`` is ``t.reciprocal() * 448``: two roundings each.
+    wide = safe.double()
+    scale = torch.where(torch.isinf(safe), torch.full_like(safe, float("nan")), (wide / FP8_MAX).float())
+    return scale, (FP8_MAX / wide).float()
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
