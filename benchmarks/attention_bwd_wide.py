@@ -18,7 +18,6 @@ import sys
 import torch
 from tilefuse.kernels import switches
 
-from rows import launch_switches  # benchmarks/rows.py: this script's folder is on sys.path when run by path
 
 BENCH_CASES = [(4, 16, 16, 4096, 256, True), (4, 16, 16, 4096, 192, True), (4, 16, 16, 4096, 160, True),
                (4, 16, 16, 4096, 256, False), (1, 32, 8, 2048, 256, True)]  # (B, Hq, Hkv, N, d, causal)
@@ -61,7 +60,7 @@ def bench():
             return launch.backward(dout, q, k, v, out, lse, None, None, scale, 0, -1, 0 if causal else -1,
                                    "compiled")
 
-        with launch_switches(switches.attention, BACKWARD_WS_WIDE=False):
+        with switches.overridden(switches.attention, BACKWARD_WS_WIDE=False):
             dq_ref, dk_ref, dv_ref = portable()
             row = {"case": [B, Hq, Hkv, N, d, causal], "portable_backward_ms": do_bench(portable)}
         flops = 8 * B * Hq * N * N * d * (0.5 if causal else 1.0)  # four GEMMs of 2 * N * N * d

@@ -16,7 +16,7 @@ import torch
 import triton
 
 import tilefuse
-from rows import collect, launch_switches
+from rows import collect
 from tilefuse.kernels import switches
 
 # (B, Hq, Hkv, N, d, causal, masked): the forward grid's d 64 / 128 rows at 16k tokens, GQA, and a masked row
@@ -48,7 +48,7 @@ def measure(case) -> dict:
     for name, values in FORMS.items():
         if name == "warp-specialized passes" and masked:
             continue
-        with launch_switches(switches.attention, **values):
+        with switches.overridden(switches.attention, **values):
             if mask is None:
                 out = tilefuse.attention(q, k, v, causal=causal)
             else:

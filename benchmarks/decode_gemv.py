@@ -16,7 +16,6 @@ import sys
 
 import torch
 
-from rows import launch_switches  # benchmarks/rows.py: this script's folder is on sys.path when run by path
 from tilefuse.kernels import switches
 from tilefuse.kernels.gemm.decode import block_m, decode_linear_kernel
 from tilefuse.sizes import cdiv
@@ -47,7 +46,7 @@ def _split_k_ms(fn):
     """``fn``'s GPU time with the launch's decode kernel switched off (the split-K path it replaced)."""
     from tilefuse.harness.timing import graph_ms
 
-    with launch_switches(switches.gemm, DECODE_KERNEL=False):
+    with switches.overridden(switches.gemm, DECODE_KERNEL=False):
         return graph_ms(fn)
 
 

@@ -20,7 +20,6 @@ import sys
 
 import torch
 
-from rows import launch_switches  # benchmarks/rows.py: this script's folder is on sys.path when run by path
 from tilefuse.kernels import switches
 from tilefuse.kernels.gemm.coop import (CONFIGS, gated_configs, gated_linear, grad_input, grad_input_gated,
                                         grad_weight, linear)
@@ -29,7 +28,7 @@ from tilefuse.kernels.gemm.coop import (CONFIGS, gated_configs, gated_linear, gr
 def coop_off():
     """The launch's own choice without the cooperative kernel (its COOP_* switches off)."""
 
-    return launch_switches(switches.gemm, COOP_BACKWARD=False, COOP_GATED=False)
+    return switches.overridden(switches.gemm, COOP_BACKWARD=False, COOP_GATED=False)
 
 
 # ---- commands ----------------------------------------------------------------------------------------
@@ -182,7 +181,7 @@ def bench_gated_dx():
             return launch.linear_backward(dy, x, w_gate, w_up, s_gate, s_up, True, False, False, "compiled")[0]
 
         fastpath.clear_all()
-        with launch_switches(switches.gemm, COOP_GATED_DX=False):
+        with switches.overridden(switches.gemm, COOP_GATED_DX=False):
             row["launch_rel_l2"] = rel(launch_call(), ref)
             row["launch_ms"] = do_bench(launch_call)
         fastpath.clear_all()

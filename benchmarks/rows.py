@@ -13,11 +13,3 @@ def collect(rows, out=None) -> list:
         with open(out, "w") as f:
             json.dump(kept, f, indent=1)
     return kept
-
-
-def launch_switches(family, **values):
-    """A family's switches (``tilefuse.kernels.switches.gemm`` / ``.attention``, e.g. ``COOP_GATED=False``) set for
-    the block, then restored; the fast path drops its plans at each change."""
-    from tilefuse.kernels import switches
-
-    return switches.overridden(family, **values)

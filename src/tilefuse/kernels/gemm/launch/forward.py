@@ -14,9 +14,9 @@ from tilefuse.kernels.gemm import configs, coop
 from tilefuse.kernels.gemm.decode import block_m as decode_block_m
 from tilefuse.kernels.gemm.decode import decode_linear_kernel
 from tilefuse.kernels.gemm.gate import activation_slope_kernel
-from tilefuse.kernels.gemm.launch.rules import (CUBLAS, MIN_TILE, coop_gated, pass_grid, row_addressing,
-                                                split_k_slices, split_k_workspace, stream_handle, tile_counters,
-                                                training_field, tma_supported)
+from tilefuse.kernels.gemm.launch.rules import (CUBLAS, MIN_TILE, coop_gated, launch_persistent_tma, pass_grid,
+                                                persistent_grid, row_addressing, split_k_slices, split_k_workspace,
+                                                stream_handle, tile_counters, training_field, tma_supported)
 from tilefuse.kernels.gemm.portable import linear_epilogue_kernel
 from tilefuse.kernels.gemm.tma import linear_tma_kernel
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
@@ -280,13 +280,6 @@ def launch_tma(x2d, w, b, y, activation, config: dict | None = None, w_up=None, 
     common = dict(HAS_BIAS=b is not None, ACTIVATION=activation or "none", GATED=gated, NORM=norm_kind,
                   NUM_SMS=num_sms, SAVE_SLOPE=bool(slopes))
 
-    def grid(meta):
-        return (min(num_sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
-
-    if config is not None:
-        cfg = configs.tma_config(**config)
-        fastpath.launch(linear_tma_kernel, grid(cfg.kwargs), args,
-                        dict(common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        return cfg
-    fastpath.launch(linear_tma_tuned, grid, args, common)
-    return linear_tma_tuned.launched_config()
+    cfg = configs.tma_config(**config) if config is not None else None
+    return launch_persistent_tma(linear_tma_kernel, linear_tma_tuned, cfg, persistent_grid(M, N, num_sms), args,
+                                 common)

@@ -11,7 +11,8 @@ from tilefuse import runtime, sizes, tuning
 from tilefuse.kernels import fastpath, launches, switches
 from tilefuse.kernels.gemm import configs
 from tilefuse.kernels.gemm.fp8 import linear_fp8_kernel, linear_fp8_tma_kernel, quantize_rows_kernel
-from tilefuse.kernels.gemm.launch.rules import fp8_tma_operands, row_addressing
+from tilefuse.kernels.gemm.launch.rules import (fp8_tma_operands, launch_persistent_tma, persistent_grid,
+                                                row_addressing)
 from tilefuse.kernels.tiling import ensure_descriptor_allocator
 from tilefuse.sizes import cdiv
 
@@ -102,18 +103,11 @@ def launch_fp8_tma(x2d, w, sx, sw, b, y2d, flags: dict, path: str, config: dict 
     args = (x2d, w, sx, sw, b, y2d, M, N, K, sizes.m_bucket(M), x2d.stride(0), w.stride(0), y2d.stride(0))
     common = dict(flags, NUM_SMS=num_sms)
 
-    def grid(meta):
-        return (min(num_sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
-
     if config is None and path == runtime.INTERPRETER:
         config = configs.FP8_INTERPRETER_TMA
-    if config is not None:
-        cfg = configs.fp8_tma_config(**config)
-        fastpath.launch(linear_fp8_tma_kernel, grid(cfg.kwargs), args,
-                        dict(common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        return cfg
-    fastpath.launch(linear_fp8_tma_tuned, grid, args, common)
-    return linear_fp8_tma_tuned.launched_config()
+    cfg = configs.fp8_tma_config(**config) if config is not None else None
+    return launch_persistent_tma(linear_fp8_tma_kernel, linear_fp8_tma_tuned, cfg, persistent_grid(M, N, num_sms),
+                                 args, common)
 
 
 def _launch_fp8_portable(x2d, w, sx, sw, b, y2d, flags: dict, path: str):

@@ -194,3 +194,21 @@ def fp8_tma_operands(x2d: torch.Tensor, w: torch.Tensor, y2d: torch.Tensor) -> b
         return False
     return all(t.stride(-1) == 1 and t.stride(0) >= t.shape[1] and (t.stride(0) * t.element_size()) % 16 == 0
                and t.data_ptr() % 16 == 0 for t in (x2d, w, y2d))
+
+
+def persistent_grid(M: int, N: int, num_sms: int):
+    """The grid of a persistent TMA kernel over [M, N] output tiles: one program per SM, fewer for fewer tiles."""
+    def grid(meta):
+        return (min(num_sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
+    return grid
+
+
+def launch_persistent_tma(kernel, tuned, cfg, grid, args, common: dict):
+    """A persistent TMA GEMM: pinned at ``cfg`` (a triton.Config, its kwargs and warps/stages), or with None
+    through its tuner ``tuned``. Returns the config used."""
+    if cfg is not None:
+        fastpath.launch(kernel, grid(cfg.kwargs), args,
+                        dict(common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        return cfg
+    fastpath.launch(tuned, grid, args, common)
+    return tuned.launched_config()
