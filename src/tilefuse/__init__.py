@@ -21,10 +21,12 @@ from tilefuse import distributed
 from tilefuse import masks
 from tilefuse.patching import PatchReport, patch, unpatch
 from tilefuse.runtime import use_backend
+from tilefuse.compile_rules import use_compile_rules
 
 # The one place the version is written: pyproject.toml reads it from here (dynamic = ["version"]).
 __version__ = "0.1.0"
 
 __all__ = ["linear", "quantize_weight", "QuantizedWeight", "attention", "quantize_qkv", "QuantizedQKV", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "layer_norm", "rms_norm", "layer_norm_linear",
-           "softmax", "linear_cross_entropy", "qkv_projection", "PagedKVCache", "paged_attention", "nn", "distributed", "masks", "patch", "unpatch", "PatchReport", "use_backend", "__version__"]
+           "softmax", "linear_cross_entropy", "qkv_projection", "PagedKVCache", "paged_attention", "nn", "distributed", "masks", "patch", "unpatch", "PatchReport", "use_backend",
+           "use_compile_rules", "__version__"]

@@ -204,6 +204,13 @@ def cmd_info() -> int:
     for row in switches.describe():
         changed = "" if row["value"] == row["default"] else f"  (default {row['default']!r})"
         print(f"  {row['family']}.{row['name']} = {row['value']!r}{changed}: {row['doc']}")
+    from tilefuse import compile_rules
+    print(f"patched patterns under torch.compile (tilefuse.compile_rules; {compile_rules.ENV}=\"pattern=rule,...\" "
+          "sets them):")
+    for pattern, rule in compile_rules.rules().items():
+        default, why = compile_rules.DEFAULT_RULES[pattern]
+        changed = "" if rule == default else f"  (default {default})"
+        print(f"  {pattern} = {rule}{changed}: {why if rule == default else ''}".rstrip(": "))
     return 0
 
 

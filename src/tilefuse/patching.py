@@ -12,15 +12,21 @@ fails its check). Plain Linears are left alone: with no epilogue to fuse, cuBLAS
 LoRA-wrapped layers are left alone and reported. On Hugging Face models the attention function, the
 rotary Q/K/V projections and the LM-head loss are patched too (patching_hf.py), each step proven on the
 whole model. ``unpatch`` restores the original modules.
+
+Under ``torch.compile`` each replaced pattern follows its compile rule (``tilefuse.compile_rules``): where
+Inductor makes the same fusion itself, the patched module runs the unpatched model's code while torch.compile
+traces it, so a patched model compiled is never the slower for an op Inductor cannot see into.
 """
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from tilefuse import compile_rules
 from tilefuse import nn as tnn
 from tilefuse.opspec import REL_L2_BOUND
 from tilefuse.patching_hf import rel_l2 as _rel_l2
@@ -37,17 +43,22 @@ BACKEND_MEANING = {"auto": "per shape bucket tilefuse's kernels or the vendor's,
 class PatchReport:
     """What ``patch`` did: ``replaced`` (path, old class, new class, the check it passed) and ``skipped``
     (path, reason); ``backend``: the backend in force when it patched (``tilefuse.runtime.backend``), which the
-    replaced modules' calls take unless a later ``use_backend`` block or ``TILEFUSE_BACKEND`` says otherwise."""
+    replaced modules' calls take unless a later ``use_backend`` block or ``TILEFUSE_BACKEND`` says otherwise;
+    ``compile_rules``: the rules in force when it patched (pattern -> "inductor" | "tilefuse"), which graphs
+    torch.compile traces take unless a ``use_compile_rules`` block says otherwise."""
 
     replaced: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
     backend: str = ""
+    compile_rules: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         head = f"tilefuse.patch: {len(self.replaced)} replaced, {len(self.skipped)} skipped"
         if self.backend:
             head += f" (backend {self.backend}: {BACKEND_MEANING[self.backend]})"
         lines = [head]
+        if self.compile_rules:
+            lines.append("  under torch.compile: " + ", ".join(f"{p}={r}" for p, r in self.compile_rules.items()))
         lines += [f"  replaced {path}: {old} -> {new} ({check})" for path, old, new, check in self.replaced]
         lines += [f"  skipped  {path}: {reason}" for path, reason in self.skipped]
         return "\n".join(lines)
@@ -195,36 +206,69 @@ def patch(model: torch.nn.Module, *, norm: bool = True, mlp: bool = True, qkv: b
     if originals is None:
         originals = {}
         object.__setattr__(model, _ORIGINALS, originals)
-    swaps = []  # (parent, attribute, path, original, candidate, check)
+    report.compile_rules = compile_rules.rules()  # also checks TILEFUSE_COMPILE_RULES before anything is replaced
+    swaps = []  # (parent, attribute, path, original, candidate, check, (pattern, unfused module) or None)
     for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             child_path = f"{path}.{name}" if path else name
-            candidate, reason = None, None
+            candidate, reason, pattern = None, None, None
             if norm:
                 candidate, reason = _norm_candidate(child)
+                pattern = "norm"
             if candidate is None and reason is None and mlp:
                 candidate, reason = _mlp_candidate(child)
+                pattern = "mlp"
             if candidate is None:
                 if reason:
                     report.skipped.append((child_path, reason))
                 continue
             ok, check = _verify(child, candidate, _features(child)) if verify else (True, "not verified")
             if ok:
-                swaps.append((module, name, child_path, child, candidate, check))
+                swaps.append((module, name, child_path, child, candidate, check, (pattern, child)))
             else:
                 report.skipped.append((child_path, check))
         if linear and isinstance(module, torch.nn.Sequential):
             _fuse_sequential(module, path, swaps, report, verify)
         elif linear:
             _fuse_child_pair(module, path, swaps, report, verify)
-    for parent, name, child_path, child, candidate, check in swaps:
+    for parent, name, child_path, child, candidate, check, unfused in swaps:
         candidate.train(child.training)
+        if unfused is not None:
+            _follow_compile_rule(candidate, *unfused)
         setattr(parent, name, candidate)
         originals[child_path] = child
         report.replaced.append((child_path, type(child).__name__, type(candidate).__name__, check))
     if hf:
         patching_hf.patch(model, report, attention=attention, qkv=qkv, loss=loss, verify=verify, reference=reference)
     return report
+
+
+def _forward_under_compile(self, *args, **kwargs):
+    """A replaced module's forward: the unpatched code while torch.compile traces a pattern whose rule is
+    ``inductor``, else the module's own (tilefuse's) forward."""
+    if compile_rules.hands_back(self._tilefuse_pattern):
+        return self._tilefuse_unfused(*args, **kwargs)
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _follow_compile_rule(candidate, pattern, unfused):
+    """Give ``candidate`` the forward above. The unfused module is held outside the module tree (not a
+    submodule: the state dict keeps its keys, and the parameters are the candidate's own), and copies of the
+    model copy it with them."""
+    object.__setattr__(candidate, "_tilefuse_pattern", pattern)
+    object.__setattr__(candidate, "_tilefuse_unfused", unfused)
+    candidate.forward = types.MethodType(_forward_under_compile, candidate)
+
+
+class _Unfused(torch.nn.Module):
+    """A Linear and the activation after it, as the unpatched model ran them."""
+
+    def __init__(self, linear: torch.nn.Module, activation: torch.nn.Module) -> None:
+        super().__init__()
+        self.linear, self.activation = linear, activation
+
+    def forward(self, x):
+        return self.activation(self.linear(x))
 
 
 class Conv1DLinear(torch.nn.Module):
@@ -294,8 +338,9 @@ def _fuse_child_pair(parent, path, swaps, report, verify):
             misses.append((name, f"rel-L2 {err:.2e} above the bound {bound:.0e}"))
             continue
         check = f"rel-L2 {err:.1e} <= {bound:.0e} on a probe of {type(parent).__name__}, {type(act).__name__} fused"
-        swaps.append((parent, name, prefix + name, lin, candidate, check))
-        swaps.append((parent, act_name, prefix + act_name, act, torch.nn.Identity(), "fused into " + prefix + name))
+        swaps.append((parent, name, prefix + name, lin, candidate, check, ("linear", _Unfused(lin, act))))
+        swaps.append((parent, act_name, prefix + act_name, act, torch.nn.Identity(), "fused into " + prefix + name,
+                      None))
         return
     if misses:
         tried = "; ".join(f"{name}: {why}" for name, why in misses)
@@ -324,8 +369,9 @@ def _fuse_sequential(seq, path, swaps, report, verify):
         if not ok:
             report.skipped.append((prefix + first, check))
             continue
-        swaps.append((seq, first, prefix + first, lin, fused, check + f", {type(act).__name__} fused"))
-        swaps.append((seq, second, prefix + second, act, torch.nn.Identity(), "fused into " + prefix + first))
+        swaps.append((seq, first, prefix + first, lin, fused, check + f", {type(act).__name__} fused",
+                      ("linear", _Unfused(lin, act))))
+        swaps.append((seq, second, prefix + second, act, torch.nn.Identity(), "fused into " + prefix + first, None))
 
 
 def unpatch(model: torch.nn.Module) -> PatchReport:

@@ -26,6 +26,10 @@ report says why.
   ``ForCausalLMLoss`` does, and Gemma 2's ``final_logit_softcapping`` becomes the loss's softcap. In eval
   mode or without labels the model runs as it always did.
 
+Under torch.compile each step follows its pattern's rule (``tilefuse.compile_rules``: ``attention``, ``qkv``,
+``loss``): handed to Inductor, it runs HF's own code while torch.compile traces (HF's SDPA function for
+attention), so Inductor sees and fuses it as in the unpatched model.
+
 transformers is imported only for models that are transformers models.
 """
 from __future__ import annotations
@@ -37,6 +41,7 @@ import types
 
 import torch
 
+from tilefuse import compile_rules
 from tilefuse.opspec import REL_L2_BOUND
 
 NAME = "tilefuse"
@@ -70,7 +75,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       is_causal=None, **kwargs):
     """HF's attention-function signature (query/key/value ``[B, H, N, d]``, SDPA's boolean or additive mask)
     through tilefuse's SDPA; returns (``[B, N, H, d]`` contiguous, None) as HF's SDPA function does."""
-    if dropout > 0.0 or kwargs.get("output_attentions") or kwargs.get("position_bias") is not None:
+    if dropout > 0.0 or kwargs.get("output_attentions") or kwargs.get("position_bias") is not None \
+            or compile_rules.hands_back("attention"):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -176,7 +182,7 @@ def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_m
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from tilefuse.ops.qkv import qkv_projection
-    if position_embeddings is None or hidden_states.dim() != 3:
+    if position_embeddings is None or hidden_states.dim() != 3 or compile_rules.hands_back("qkv"):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     d = self.head_dim
     # Under tensor parallelism (tilefuse.distributed.tensor_parallel_plan) the projections are column-parallel
@@ -235,7 +241,8 @@ def fused_conv1d_qkv_forward(self, hidden_states, past_key_values=None, attentio
 
     from tilefuse.ops.qkv import qkv_projection
     eager_upcast = self.config._attn_implementation == "eager" and getattr(self, "reorder_and_upcast_attn", False)
-    if encoder_hidden_states is not None or hidden_states.dim() != 3 or eager_upcast:
+    if encoder_hidden_states is not None or hidden_states.dim() != 3 or eager_upcast \
+            or compile_rules.hands_back("qkv"):
         return type(self).forward(self, hidden_states, past_key_values, attention_mask, encoder_hidden_states,
                                   encoder_attention_mask, output_attentions, **kwargs)
     q, k, v = qkv_projection(hidden_states, self.c_attn.weight.t(), self.c_attn.bias, num_heads=self.num_heads)
@@ -309,7 +316,7 @@ def fused_loss_forward(self, *args, **kwargs):
         kwargs.update(zip(_forward_names(type(self)), args))
     labels = kwargs.pop("labels", None)
     if labels is None or not self.training or kwargs.get("logits_to_keep", 0) != 0 \
-            or kwargs.get("return_dict") is False:
+            or kwargs.get("return_dict") is False or compile_rules.hands_back("loss"):
         return type(self).forward(self, labels=labels, **kwargs)
     return _fused_loss_call(self, (), kwargs, labels)
 

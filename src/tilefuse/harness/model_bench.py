@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from tilefuse import compile_rules
 from tilefuse.harness.mlp_train import (LINESTYLES, BenchArgumentError, _dtype_name, _dynamo_counts, _failure,
                                         _release, _sync, timed_steps)
 
@@ -349,7 +350,7 @@ def run(kind: str, model: str | None = None, variants=None, out_dir: str = "benc
     env = environment()
     result = {"benchmark": kind, "model": name, "device": env["device"], "path": env["path"], "environment": env,
               "dtype": _dtype_name(torch.bfloat16 if on_gpu else torch.float32), "seed": seed,
-              "compile": {"mode": compile_mode or "default", "dynamic": False},
+              "compile": {"mode": compile_mode or "default", "dynamic": False, "rules": compile_rules.rules()},
               "not_applicable": not_applicable(name), "variants": {}}
     if kind == "prefill":
         batch, n = prefill_shape if on_gpu else TINY_PREFILL
@@ -500,6 +501,9 @@ def summary_text(result) -> str:
     kind = result["benchmark"]
     lines = [f"{kind} {result['model']} on {result['device']} ({result['path']}), {result['dtype']}, "
              f"torch.compile mode {result['compile']['mode']}"]
+    if "torch.compile over tilefuse" in result["variants"] and result["compile"].get("rules"):
+        lines.append("  patched patterns under torch.compile: "
+                     + ", ".join(f"{p}={r}" for p, r in result["compile"]["rules"].items()))
     with_liger = LIGER in result["variants"]
     for n, v in result["variants"].items():
         if v.get("error"):

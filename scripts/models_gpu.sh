@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The models issue's GPU call: `tilefuse bench` runs, each inside its own time limit, into $OUT/<name>/ (JSON, PNG)
+# and $OUT/<name>.log, then everything packed into $OUT/models.tgz (the device returns few files).
+#   scripts/models_gpu.sh "name|bench args" ...
+# e.g.  scripts/models_gpu.sh "gpt2_train|train --model gpt2-small --compile-mode default"
+# Knobs: RUN_LIMIT seconds per run (default 240), TESTS="files" to run those GPU tests first (TESTS_LIMIT, default
+# 120), COMPILE_RULES for the patched + compiled variants (TILEFUSE_COMPILE_RULES). Wheels carried in .whl/
+# (liger-kernel for its variant) are installed first.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tilefuse_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=/tmp/triton_cache
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+[ -n "${COMPILE_RULES:-}" ] && export TILEFUSE_COMPILE_RULES="$COMPILE_RULES"
+{ nvidia-smi; python3 -m tilefuse info; git log -1 --oneline 2>/dev/null; } > "$OUT/env.txt" 2>&1
+if [ -n "${TESTS:-}" ]; then
+  TILEFUSE_AUTOTUNE=0 timeout "${TESTS_LIMIT:-120}" python3 -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider $TESTS \
+    > "$OUT/tests.log" 2>&1
+  echo "tests exit: $?" >> "$OUT/tests.log"
+  tail -2 "$OUT/tests.log"
+fi
+for run in "$@"; do
+  name=${run%%|*}
+  set -f; args=(${run#*|}); set +f
+  timeout "${RUN_LIMIT:-240}" python3 -m tilefuse bench "${args[@]}" --no-progress --out "$OUT/$name" \
+    > "$OUT/$name.log" 2>&1
+  echo "$name exit: $?" >> "$OUT/$name.log"
+  tail -12 "$OUT/$name.log"
+done
+(cd "$OUT" && ls -A | grep -v -x models.tgz | tar czf models.tgz --remove-files -T -)
+exit 0

@@ -1,0 +1,180 @@
+"""A patched model under torch.compile: each pattern follows its compile rule (tilefuse.compile_rules). Handed to
+Inductor, the graph torch.compile traces holds the unpatched model's torch ops for that pattern and no tilefuse
+op; kept, it holds the tilefuse op. Outputs match eager either way; state dicts and copies are unaffected."""
+import copy
+
+import pytest
+import torch
+import transformers
+from torch._dynamo.backends.registry import lookup_backend
+
+import tilefuse
+from helpers import ON_GPU, assert_close
+from tilefuse import compile_rules
+from tilefuse.opspec import REL_L2_BOUND
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+DEV = "cuda" if ON_GPU else "cpu"
+H = 64 if ON_GPU else 16
+RUN = "inductor" if ON_GPU else "aot_eager"  # what runs the captured graph (inductor needs a C++ toolchain on CPU)
+
+
+# ---- the rules themselves -----------------------------------------------------------------------------------
+
+def test_defaults_env_and_blocks(monkeypatch):
+    monkeypatch.delenv(compile_rules.ENV, raising=False)
+    assert compile_rules.rules() == {p: r for p, (r, _) in compile_rules.DEFAULT_RULES.items()}
+    assert set(compile_rules.rules()) == set(compile_rules.PATTERNS)
+    monkeypatch.setenv(compile_rules.ENV, "all=tilefuse, Norm=Inductor")
+    assert compile_rules.rule("norm") == "inductor" and compile_rules.rule("linear") == "tilefuse"
+    with tilefuse.use_compile_rules(all="inductor"):
+        with tilefuse.use_compile_rules(loss="tilefuse"):
+            assert compile_rules.rule("loss") == "tilefuse" and compile_rules.rule("mlp") == "inductor"
+        assert compile_rules.rule("loss") == "inductor"
+    assert compile_rules.rule("loss") == "tilefuse"
+    assert not compile_rules.hands_back("norm")  # eager: never
+
+
+@pytest.mark.parametrize("value, words", [("linear", "pattern=rule"), ("lineer=tilefuse", "unknown pattern"),
+                                          ("norm=triton", "'inductor' or 'tilefuse'")])
+def test_a_bad_environment_value_is_refused_naming_the_variable(monkeypatch, value, words):
+    monkeypatch.setenv(compile_rules.ENV, value)
+    with pytest.raises(ValueError, match=words) as err:
+        tilefuse.patch(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))
+    assert compile_rules.ENV in str(err.value)
+    with pytest.raises(ValueError, match="use_compile_rules"):
+        with tilefuse.use_compile_rules(attention="cudnn"):
+            pass
+
+
+# ---- a hand-built model: norm, linear + activation, gated MLP ---------------------------------------------------
+
+class GatedMLP(torch.nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(h, i, bias=False), torch.nn.Linear(h, i, bias=False)
+        self.down_proj, self.act_fn = torch.nn.Linear(i, h, bias=False), torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.mlp1 = torch.nn.RMSNorm(H), GatedMLP(H, 2 * H)
+        self.norm2 = torch.nn.LayerNorm(H)
+        self.mlp2 = torch.nn.Sequential(torch.nn.Linear(H, 3 * H), torch.nn.GELU(), torch.nn.Linear(3 * H, H))
+
+    def forward(self, x):
+        x = x + self.mlp1(self.norm1(x))
+        return x + self.mlp2(self.norm2(x))
+
+
+def _patched_block():
+    torch.manual_seed(0)
+    model = Block().to(DEV, DTYPE)
+    report = tilefuse.patch(model)
+    assert {path for path, *_ in report.replaced} >= {"norm1", "mlp1", "norm2", "mlp2.0", "mlp2.1"}, str(report)
+    return model, report
+
+
+def _tilefuse_ops(gm) -> set:
+    return {str(node.target).split(".")[1] for node in gm.graph.nodes
+            if node.op == "call_function" and str(node.target).startswith("tilefuse.")}
+
+
+def _compiled(fn):
+    """fn compiled (fullgraph), and the set of tilefuse ops in each graph torch.compile traced."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(_tilefuse_ops(gm))
+        return lookup_backend(RUN)(gm, inputs)
+    return torch.compile(fn, fullgraph=True, backend=backend), graphs
+
+
+@pytest.mark.parametrize("given, want", [
+    ({}, {"gated_linear"}),  # the defaults: norms and Linear + GELU to Inductor, the gated MLP stays
+    ({"all": "tilefuse"}, {"gated_linear", "rms_norm", "layer_norm", "linear"}),
+    ({"all": "inductor"}, set()),
+    ({"norm": "tilefuse", "mlp": "inductor"}, {"rms_norm", "layer_norm"}),
+])
+def test_each_pattern_in_the_traced_graph_follows_its_rule(monkeypatch, given, want):
+    monkeypatch.delenv(compile_rules.ENV, raising=False)
+    model, _ = _patched_block()
+    x = torch.randn(2, 5, H, device=DEV, dtype=DTYPE)
+    with torch.no_grad():
+        eager = model(x)
+        with tilefuse.use_compile_rules(**given):
+            fn, graphs = _compiled(model)
+            got = fn(x)
+    assert graphs and graphs[0] == want, f"rules {given}: the graph holds {graphs}, want {want}"
+    assert_close(got, eager, REL_L2_BOUND[DTYPE], f"compiled under {given} vs the patched model in eager")
+
+
+def test_a_changed_rule_recompiles_and_gradients_flow_either_way(monkeypatch):
+    monkeypatch.delenv(compile_rules.ENV, raising=False)
+    model, _ = _patched_block()
+    fn, graphs = _compiled(model)
+    x = torch.randn(3, H, device=DEV, dtype=DTYPE)
+    grads = []
+    for given in ({}, {"all": "tilefuse"}):
+        with tilefuse.use_compile_rules(**given):
+            model.zero_grad()
+            fn(x).float().pow(2).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert len(graphs) == 2 and graphs[0] != graphs[1], f"the second rule set traced no new graph: {graphs}"
+    for name in grads[0]:
+        assert_close(grads[1][name], grads[0][name], 5 * REL_L2_BOUND[DTYPE], f"d {name}: tilefuse vs Inductor")
+
+
+def test_state_dicts_reports_and_copies_are_unaffected():
+    torch.manual_seed(0)
+    keys = list(Block().state_dict())
+    model, report = _patched_block()
+    assert list(model.state_dict()) == keys
+    assert "under torch.compile: norm=" in str(report) and report.compile_rules == compile_rules.rules()
+    twin = copy.deepcopy(model)
+    fused = twin.mlp2[0]
+    assert fused._tilefuse_unfused.linear.weight is fused.weight  # the copy's own parameters, not the original's
+    assert fused.forward.__self__ is fused
+    x = torch.randn(2, H, device=DEV, dtype=DTYPE)
+    with torch.no_grad():
+        assert_close(twin(x), model(x), REL_L2_BOUND[DTYPE], "deep copy vs the model")
+
+
+# ---- Hugging Face: attention, qkv and the loss --------------------------------------------------------------
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).to(DEV, DTYPE).train()
+    model.loss_type = "ForCausalLM"  # named: HF logs a warning for GPT-2's unnamed one, which breaks a fullgraph trace
+    return model
+
+
+@pytest.mark.parametrize("given, want", [
+    ({}, {"attention", "linear_cross_entropy"}),
+    ({"all": "tilefuse"}, {"attention", "linear_cross_entropy", "qkv_projection", "layer_norm", "linear"}),
+    ({"attention": "inductor", "loss": "inductor"}, set()),
+])
+def test_a_patched_hugging_face_model_compiled(monkeypatch, given, want):
+    monkeypatch.delenv(compile_rules.ENV, raising=False)
+    model = _gpt2()
+    report = tilefuse.patch(model)
+    assert {"attention", "lm_head", "transformer.h.0.attn"} <= {path for path, *_ in report.replaced}, str(report)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEV)
+
+    def loss(ids):
+        return model(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        eager = loss(ids)
+        with tilefuse.use_compile_rules(**given):
+            fn, graphs = _compiled(loss)
+            got = fn(ids)
+    assert graphs and graphs[0] == want, f"rules {given}: the graph holds {graphs}, want {want}"
+    assert_close(got, eager, REL_L2_BOUND[DTYPE], f"loss compiled under {given} vs eager")
+
