@@ -3,6 +3,7 @@
 # and $OUT/<name>.log, then everything packed into $OUT/models.tgz (the device returns few files).
 #   scripts/models_gpu.sh "name|bench args" ...
 # e.g.  scripts/models_gpu.sh "gpt2_train|train --model gpt2-small --compile-mode default"
+# A name "name@rules" runs that bench with TILEFUSE_COMPILE_RULES=rules ("gpt2@loss=inductor|train ...").
 # Knobs: RUN_LIMIT seconds per run (default 240), TESTS="files" to run those GPU tests first (TESTS_LIMIT, default
 # 120), COMPILE_RULES for the patched + compiled variants (TILEFUSE_COMPILE_RULES). Wheels carried in .whl/
 # (liger-kernel for its variant) are installed first.
@@ -28,7 +29,9 @@ fi
 for run in "$@"; do
   name=${run%%|*}
   set -f; args=(${run#*|}); set +f
-  timeout "${RUN_LIMIT:-240}" python3 -m tilefuse bench "${args[@]}" --no-progress --out "$OUT/$name" \
+  rules=${TILEFUSE_COMPILE_RULES:-}
+  case "$name" in *@*) rules=${name#*@}; name=${name%%@*} ;; esac
+  TILEFUSE_COMPILE_RULES="$rules" timeout "${RUN_LIMIT:-240}" python3 -m tilefuse bench "${args[@]}" --no-progress --out "$OUT/$name" \
     > "$OUT/$name.log" 2>&1
   echo "$name exit: $?" >> "$OUT/$name.log"
   tail -12 "$OUT/$name.log"

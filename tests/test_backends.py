@@ -151,12 +151,12 @@ def test_vendor_training_step_takes_cublas_for_both_passes(name, params, device)
     if params["activation"] == "relu":  # relu's step taken from an fp32 pre-activation (launch.py says why)
         assert all(r.config.startswith("F.linear in fp32") for r in forward), recs
     if name == "gated_linear_train":  # dx one GEMM per half, whichever weight form
-        assert all("dx GEMM per half" in r.config for r in backward), recs
+        assert all("dx and dW GEMMs per half" in r.config for r in backward), recs
 
 
 def test_vendor_gated_training_over_separate_weights_and_an_expanded_dy(device):
     """The gated backward's cuBLAS form with W_gate and W_up two tensors (dx as two GEMMs, the second accumulated;
-    both dW from one GEMM, each half in its weight's layout) and the expanded dy of ``y.sum()`` (stride 0, which the
+    each dW its own GEMM, in its weight's layout) and the expanded dy of ``y.sum()`` (stride 0, which the
     one pass making g reads as a dense copy): every gradient matches float64."""
     x = torch.randn(2, 9, 40, device=device, dtype=torch.bfloat16, requires_grad=True)
     w_gate, w_up = ((torch.randn(24, 40, device=device, dtype=torch.bfloat16) / 6).requires_grad_() for _ in range(2))

@@ -370,3 +370,20 @@ def test_cuda_graph_of_a_compiled_function():
         want = _block_reference(*(t.double() for t in fresh))
     assert counter.frame_count == 1
     assert_close(out, want, REL_L2_BOUND[BF16], "compiled block replayed on new inputs")
+
+
+# ---- the backward ops' contract with torch.library, under each backend ---------------------------------------
+@pytest.mark.parametrize("backend", ["tilefuse", "vendor"])
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (True, False, False)],
+                         ids=["all", "dw", "dx"])
+def test_linear_backward_ops_pass_opcheck(device, backend, needs):
+    """torch.library.opcheck (schema, fake tensors, autograd registration, AOT dispatch) of the plain and gated
+    backward ops: no output may alias an input or another output (a compiled graph's functionalization relies on
+    it), whichever backend's form runs -- the vendor's gated form once returned both dW as views of one GEMM."""
+    g = torch.Generator().manual_seed(3)
+    M, K, N = 16, 24, 8
+    x, dy, s_gate, s_up = (_randn(g, *shape, device=device) for shape in ((M, K), (M, N), (M, N), (M, N)))
+    w_gate, w_up = _randn(g, N, K, device=device), _randn(g, N, K, device=device)
+    with tilefuse.use_backend(backend):
+        torch.library.opcheck(torch.ops.tilefuse.gated_linear_backward, (dy, x, w_gate, w_up, s_gate, s_up, *needs))
+        torch.library.opcheck(torch.ops.tilefuse.linear_backward, (dy, x, w_gate, s_gate, *needs))

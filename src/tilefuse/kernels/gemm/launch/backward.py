@@ -92,7 +92,8 @@ def _linear_backward_vendor(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, n
         return _gated_backward_vendor(dy2d, x, w, w_up, slope.reshape(M, N), slope_up.reshape(M, N), need_dx,
                                       need_dw, need_db, path)
     g = dy2d if slope is None else dy2d * slope.reshape(M, N)
-    dx = dw = db = dy.new_empty((0,))
+    # each output its own tensor, never a view of another: the backward op's outputs may not alias (torch.library)
+    dx, dw, db = (dy.new_empty((0,)) for _ in range(3))
     if need_dx:
         dx = (g @ w).view(x.shape)
     if need_dw or need_db:
@@ -108,8 +109,9 @@ def _linear_backward_vendor(dy, x, w, w_up, slope, slope_up, need_dx, need_dw, n
 def _gated_backward_vendor(dy2d, x, w, w_up, s_gate, s_up, need_dx, need_dw, need_db, path):
     """The gated backward's cuBLAS form: g = [dy * s_gate, dy * s_up] side by side in one [M, 2N] tensor (one pass,
     dy read once: gate.py), then dx = g_gate W_gate + g_up W_up as one GEMM per half, the second accumulated (the
-    same calls for both weight forms, as in the forward), and both dW as one GEMM g^T x, each half a view in its
-    weight's layout (a copy where the weight is not dense), db the column sums of g."""
+    same calls for both weight forms, as in the forward), each dW one GEMM g_half^T x in its weight's layout (a
+    copy where the weight is not dense) and each db the column sums of its half. The two dW and db are separate
+    tensors, not views of one [2N, ...] result: the backward op's outputs may not alias each other."""
     N, K = w.shape
     M = dy2d.shape[0]
     if dy2d.stride(1) != 1:  # autograd's dy may be expanded or strided: the pass reads rows of unit stride
@@ -129,14 +131,14 @@ def _gated_backward_vendor(dy2d, x, w, w_up, s_gate, s_up, need_dx, need_dw, nee
         dx = dx2d.view(x.shape)
     dws, dbs = [none(), none()], [none(), none()]
     if need_dw or need_db:
-        dw = g.t() @ x.reshape(M, K)  # [2N, K]: both halves in one GEMM
-        for i, (half, wb) in enumerate(((dw[:N], w), (dw[N:], w_up))):
-            dws[i] = half if wb.is_contiguous() else torch.empty_like(wb).copy_(half)  # the weight's own layout
-        if need_db:
-            db = g.sum(0, dtype=torch.float32).to(x.dtype)
-            dbs = [db[:N], db[N:]]
-    launches.record("linear_backward", path, CUBLAS, "dy * both slopes in one pass, then cuBLAS's dx GEMM per half "
-                    "and one dW GEMM")
+        x2d = x.reshape(M, K)
+        for i, (half, wb) in enumerate(((g_gate, w), (g_up, w_up))):
+            dw = half.t() @ x2d
+            dws[i] = dw if wb.is_contiguous() else torch.empty_like(wb).copy_(dw)  # the weight's own layout
+            if need_db:
+                dbs[i] = half.sum(0, dtype=torch.float32).to(x.dtype)
+    launches.record("linear_backward", path, CUBLAS, "dy * both slopes in one pass, then cuBLAS's dx and dW GEMMs "
+                    "per half")
     return dx, dws[0], dws[1], dbs[0], dbs[1]
 
 
