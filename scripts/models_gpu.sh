@@ -5,7 +5,7 @@
 # e.g.  scripts/models_gpu.sh "gpt2_train|train --model gpt2-small --compile-mode default"
 # A name "name@rules" runs that bench with TILEFUSE_COMPILE_RULES=rules ("gpt2@loss=inductor|train ...").
 # Knobs: RUN_LIMIT seconds per run (default 240), TESTS="files" to run those GPU tests first (TESTS_LIMIT, default
-# 120), COMPILE_RULES for the patched + compiled variants (TILEFUSE_COMPILE_RULES). Wheels carried in .whl/
+# 120; TEST_K a pytest -k expression for them), COMPILE_RULES for the patched + compiled variants (TILEFUSE_COMPILE_RULES). Wheels carried in .whl/
 # (liger-kernel for its variant) are installed first.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ fi
 { nvidia-smi; python3 -m tilefuse info; git log -1 --oneline 2>/dev/null; } > "$OUT/env.txt" 2>&1
 if [ -n "${TESTS:-}" ]; then
   TILEFUSE_AUTOTUNE=0 timeout "${TESTS_LIMIT:-120}" python3 -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider $TESTS \
-    > "$OUT/tests.log" 2>&1
+    ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1
   echo "tests exit: $?" >> "$OUT/tests.log"
   tail -2 "$OUT/tests.log"
 fi

@@ -96,7 +96,8 @@ def _compiled(fn):
 
 
 @pytest.mark.parametrize("given, want", [
-    ({}, {"gated_linear"}),  # the defaults: norms and Linear + GELU to Inductor, the gated MLP stays
+    ({}, set()),  # the defaults: norms, Linear + GELU and the gated MLP to Inductor
+    ({"mlp": "tilefuse"}, {"gated_linear"}),
     ({"all": "tilefuse"}, {"gated_linear", "rms_norm", "layer_norm", "linear"}),
     ({"all": "inductor"}, set()),
     ({"norm": "tilefuse", "mlp": "inductor"}, {"rms_norm", "layer_norm"}),
@@ -157,7 +158,8 @@ def _gpt2():
 
 
 @pytest.mark.parametrize("given, want", [
-    ({}, {"attention", "linear_cross_entropy"}),
+    ({}, {"linear_cross_entropy"}),
+    ({"attention": "tilefuse"}, {"attention", "linear_cross_entropy"}),
     ({"all": "tilefuse"}, {"attention", "linear_cross_entropy", "qkv_projection", "layer_norm", "linear"}),
     ({"attention": "inductor", "loss": "inductor"}, set()),
 ])
@@ -178,3 +180,37 @@ def test_a_patched_hugging_face_model_compiled(monkeypatch, given, want):
     assert graphs and graphs[0] == want, f"rules {given}: the graph holds {graphs}, want {want}"
     assert_close(got, eager, REL_L2_BOUND[DTYPE], f"loss compiled under {given} vs eager")
 
+
+
+def test_an_unpadded_causal_batch_reaches_attention_without_a_mask_under_compile(monkeypatch):
+    """HF builds the [B, 1, N, N] causal mask whenever torch.compile traces (only data could tell whether a padding
+    mask may be skipped); with no padding mask the shapes alone tell, so the patched model's mask builder gives
+    None and attention runs causal, reading no mask -- in eager and compiled graphs alike."""
+    monkeypatch.delenv(compile_rules.ENV, raising=False)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).to(DEV, DTYPE).train()
+    tilefuse.patch(model)
+    calls = []
+
+    def backend(gm, inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and str(node.target) == "tilefuse.attention.default":
+                names = [a.name for a in node.target._schema.arguments]
+                calls.append(dict(zip(names, node.args)))
+        return lookup_backend(RUN)(gm, inputs)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEV)
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    with tilefuse.use_compile_rules(attention="tilefuse"):
+        torch._dynamo.reset()
+        fn = torch.compile(lambda ids, mask: model(input_ids=ids, attention_mask=mask, labels=ids).loss,
+                           backend=backend)
+        with torch.no_grad():
+            got, want = fn(ids, None), model(input_ids=ids, labels=ids).loss
+            fn(ids, padded)
+    assert len(calls) == 2, calls
+    assert calls[0]["mask"] is None and calls[0]["window_right"] == 0, f"unpadded: {calls[0]}"
+    assert calls[1]["mask"] is not None, "a padded batch must still reach attention with its mask"
+    assert_close(got, want, REL_L2_BOUND[DTYPE], "compiled loss vs eager")

@@ -8,8 +8,8 @@ those inputs agrees with its float64 reference within the dtype's bound; otherwi
 report says why.
 
 - Attention: ``tilefuse`` is registered with ``AttentionInterface`` (HF's clean hook) and with the mask
-  interface as SDPA's mask builder, so HF hands us SDPA's boolean masks (padding, sliding windows, packed
-  sequences) or ``None`` with causal; packed sequences that come with HF's flash-attention offsets
+  interface as SDPA's mask builder (:func:`causal_or_sdpa_mask`), so HF hands us SDPA's boolean masks (padding,
+  sliding windows, packed sequences) or ``None`` with causal, under torch.compile too; packed sequences that come with HF's flash-attention offsets
   (``cu_seq_lens_q``, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives) run as one
   attention_varlen call. A call with dropout in training mode, ``output_attentions`` or a
   position bias runs HF's own SDPA code for that call: dropout is never silently dropped.
@@ -65,10 +65,26 @@ def _register() -> None:
     if _registered:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, causal_or_sdpa_mask)
     _registered = True
+
+
+def causal_or_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                        attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+    """HF's SDPA mask builder, except that a plain causal mask over as many keys as queries with no padding mask is
+    None (the attention then runs causal, no mask read) also while torch.compile traces. HF's own builder makes the
+    [B, 1, N, N] mask whenever it traces, since with a padding mask only the data could say whether it can be
+    skipped; with none, the shapes alone say so, and they are what the trace is specialized on."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    if mask_function is None:
+        mask_function = causal_mask_function
+    if (allow_is_causal_skip and attention_mask is None and mask_function is causal_mask_function and local_size is None
+            and q_length == kv_length and q_offset == 0 and kv_offset == 0):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
+                     allow_is_causal_skip, **kwargs)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
