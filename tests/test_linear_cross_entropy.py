@@ -72,6 +72,38 @@ def test_under_torch_compile_fullgraph_with_ignore_index(device):
         assert_close(got.grad, exp.grad, BOUND, f"compiled {name}")
 
 
+@pytest.mark.parametrize("reduction, bias", [("mean", False), ("sum", True)])
+def test_a_compiled_training_step_takes_the_training_form(device, reduction, bias):
+    """Under torch.compile a mean or sum loss that autograd records runs the training form's op (the logits made
+    once, the gradients with them; no recomputing backward op in the graph), and its loss and gradients are
+    float64's."""
+    from torch._dynamo.backends.registry import lookup_backend
+    x, w, t = _inputs(device, seed=8)
+    b = (torch.randn(V, generator=torch.Generator().manual_seed(9)) / 4).to(device, DTYPE) if bias else None
+    ops = []
+
+    def backend(gm, inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return lookup_backend("inductor" if ON_GPU else "aot_eager")(gm, inputs)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, b: tilefuse.linear_cross_entropy(x, w, t, b, reduction=reduction,
+                                                                      label_smoothing=0.1), fullgraph=True,
+                       backend=backend)
+    leaves = [u.clone().requires_grad_() for u in (x, w, b) if u is not None]
+    loss = fn(*leaves, *([] if bias else [None]))
+    (2.0 * loss).backward()
+    assert any("linear_cross_entropy_train" in o for o in ops), ops
+    assert not any("linear_cross_entropy_backward" in o or o.endswith("tilefuse.linear_cross_entropy.default")
+                   for o in ops), ops
+    ref = [u.detach().double().requires_grad_() for u in leaves]
+    want = F.cross_entropy(F.linear(ref[0], ref[1], ref[2] if bias else None), t, reduction=reduction,
+                           label_smoothing=0.1)
+    (2.0 * want).backward()
+    assert_close(loss, want, 1e-5 if DTYPE == torch.float32 else 1e-3, "compiled loss")
+    for got, exp, name in zip(leaves, ref, ("dx", "dW", "db")):
+        assert_close(got.grad, exp.grad, BOUND, f"compiled training form {name}")
+
+
 def test_the_default_target_check_keeps_a_compiled_graph_whole(device):
     """check_targets=True (the default) under torch.compile(fullgraph=True): no graph break, the loss as
     eager's, and a bad target still refused (an assertion in the graph; on a CPU it raises at once)."""

@@ -133,8 +133,8 @@ gemm = Switches(
                           "instead of promoting each 128-deep step to fp32 (cuBLASLt's default is off)."),
     LCE_FORWARD=Switch("chunked", "linear_cross_entropy's forward: 'chunked' (cuBLAS logits per vocabulary chunk, "
                        "folded by a row pass) or 'online' (logit tiles only on chip).", ("chunked", "online")),
-    LCE_TRAINING_FORM=Switch(True, "Eager autograd over a mean/sum linear_cross_entropy takes the training form "
-                             "(loss and both gradients in one pass over token chunks)."),
+    LCE_TRAINING_FORM=Switch(True, "Autograd over a mean/sum linear_cross_entropy, eager or in a graph torch.compile "
+                             "traces, takes the training form (loss and both gradients in one pass over token chunks)."),
     QKV_TMA=Switch(True, "qkv_projection on Hopper takes the TMA kernels where their tile table holds the head "
                    "dim; False leaves every call to the pointer kernels."),
     QKV_TMA_PARTS=Switch(True, "The TMA parts form of qkv_projection for the other rotate-half cases (d 80, 96, "

@@ -4,9 +4,10 @@ Registered as ``tilefuse::linear_cross_entropy`` (per-row losses and lse) with a
 ``tilefuse::linear_cross_entropy_backward``; the reduction ("mean" / "sum" / "none") is plain torch on the
 per-row losses, so autograd carries the incoming gradient to each row.
 
-Eager training with "mean" or "sum" in bf16 or fp32 takes the training form instead (:class:`_TrainingForm`): the
-forward also makes the gradients, every kept row's gradient being one and the same number, which the backward
-applies; so the logits are made once, not again in the backward.
+Training with "mean" or "sum" in bf16 or fp32 takes the training form instead: the forward also makes the
+gradients, every kept row's gradient being one and the same number, which the backward applies; so the logits are
+made once, not again in the backward. Eagerly through :class:`_TrainingForm`, in graphs torch.compile traces through
+``tilefuse::linear_cross_entropy_train``.
 """
 from __future__ import annotations
 
@@ -158,6 +159,68 @@ def _training_form_applies(reduction, x2d, weight, bias, t1d) -> bool:
             and runtime.execution_path(x2d) != runtime.REFERENCE and switches.gemm.LCE_TRAINING_FORM)
 
 
+def _training_impl(x2d, weight, bias, target, ignore_index, smoothing, softcap, need_dx, need_dw, need_db):
+    with _dispatch.on_device(x2d):
+        return _gemm_launch().linear_cross_entropy_with_grads(x2d, weight, bias, target, ignore_index, smoothing,
+                                                              softcap, need_dx, need_dw, need_db,
+                                                              runtime.execution_path(x2d))
+
+
+@torch.library.custom_op("tilefuse::linear_cross_entropy_train", mutates_args=())
+def _lce_train_op(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
+                  ignore_index: int, label_smoothing: float, softcap: Optional[float], need_dx: bool, need_dw: bool,
+                  need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training form as an op, for graphs torch.compile traces: (loss per row, lse, dx, dW, db) of the sum of
+    the kept rows' losses, the gradients made with the logits (the launch's ``linear_cross_entropy_with_grads``)."""
+    return _training_impl(x2d, weight, bias, target, ignore_index, label_smoothing, softcap, need_dx, need_dw,
+                          need_db)
+
+
+@_lce_train_op.register_fake
+def _(x2d, weight, bias, target, ignore_index, label_smoothing, softcap, need_dx, need_dw, need_db):
+    M, K = x2d.shape
+    V = weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=x2d.device)
+    return (torch.empty((M,), **f32), torch.empty((M,), **f32),
+            torch.empty((M, K) if need_dx else (0,), dtype=x2d.dtype, device=x2d.device),
+            torch.empty((V, K) if need_dw else (0,), dtype=weight.dtype, device=x2d.device),
+            torch.empty((V,) if need_db else (0,), **f32))
+
+
+def _setup_train(ctx, inputs, output):
+    x2d, weight, bias, target, ignore_index, label_smoothing, softcap, need_dx, need_dw, need_db = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(target, *output[2:])
+    ctx.ignore_index, ctx.V = ignore_index, weight.shape[0]
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.need = (need_dx, need_dw, need_db)
+
+
+def _train_backward(ctx, drows, dlse, ddx, ddw, ddb):
+    """As :class:`_TrainingForm`'s backward, out of place (a compiled graph's saved tensors are never written):
+    the kept rows' common gradient c scales dW and db, dx is scaled row by row."""
+    target, dx, dw, db = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.need
+    if drows is None:
+        return (None,) * 10
+    dloss, keep = _kept_row_gradients(drows, target, ctx.ignore_index, ctx.V)
+    c = dloss.sum() / keep.sum().clamp_min(1)
+    return ((dx * dloss[:, None]).to(dx.dtype) if need_dx else None, (dw * c).to(dw.dtype) if need_dw else None,
+            (db * c).to(ctx.bias_dtype) if need_db else None) + (None,) * 7
+
+
+_lce_train_op.register_autograd(_train_backward, setup_context=_setup_train)
+
+
+def _traced_training_form_applies(reduction, x2d, weight, bias, t1d) -> bool:
+    """A "mean" or "sum" loss in bf16 / fp32 that autograd records outside eager mode (a graph torch.compile
+    traces): the training form through its op, so the compiled step makes the logits once, as eager's does."""
+    return (reduction != "none" and x2d.dtype in TRAINING_DTYPES and x2d.shape[0] > 0 and x2d.shape[1] > 0
+            and grad_needed(x2d, weight, bias) and not _dispatch.eager_autograd(x2d, weight, bias, t1d)
+            and runtime.execution_path(x2d) != runtime.REFERENCE and switches.gemm.LCE_TRAINING_FORM)
+
+
 class _TrainingForm(torch.autograd.Function):
     """The per-row losses and lse, as ``_lce_op``, with the gradients made in the forward
     (``linear_cross_entropy_with_grads``: those of the sum of the kept rows' losses). Only for "mean" and "sum",
@@ -280,6 +343,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
         rows, lse = _rows_impl(*args)
     elif _training_form_applies(reduction, x2d, weight, bias, t1d):
         rows, lse = _TrainingForm.apply(*args)
+    elif _traced_training_form_applies(reduction, x2d, weight, bias, t1d):
+        need = (x2d.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        rows, lse = _lce_train_op(*args, *need)[:2]
     else:
         rows, lse = _lce_call(*args)
     if reduction == "none":
