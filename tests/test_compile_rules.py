@@ -214,3 +214,46 @@ def test_an_unpadded_causal_batch_reaches_attention_without_a_mask_under_compile
     assert calls[0]["mask"] is None and calls[0]["window_right"] == 0, f"unpadded: {calls[0]}"
     assert calls[1]["mask"] is not None, "a padded batch must still reach attention with its mask"
     assert_close(got, want, REL_L2_BOUND[DTYPE], "compiled loss vs eager")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("given", [{}, {"all": "tilefuse"}], ids=["default rules", "all tilefuse"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_reduce_overhead_over_a_patched_model_trains_and_prefills(family, given, monkeypatch):
+    """torch.compile(mode="reduce-overhead") -- CUDA graphs replayed -- over a patched model: three training steps
+    on fresh batches give the patched eager model's losses and gradients, and a prefill its logits."""
+    monkeypatch.delenv(compile_rules.ENV, raising=False)
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        model = _gpt2()
+    model = model.to(DEV, DTYPE).train()
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        tilefuse.patch(m)
+    vocab = model.config.vocab_size
+
+    def step(m, ids):
+        m.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach().clone(), {n: p.grad.clone() for n, p in m.named_parameters()}
+    with tilefuse.use_compile_rules(**given):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode="reduce-overhead")
+        for i in range(3):
+            ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(10 + i)).to(DEV)
+            got_loss, got = step(compiled, ids)
+            want_loss, want = step(twin, ids)
+            assert_close(got_loss, want_loss, REL_L2_BOUND[DTYPE], f"step {i} loss")
+            for name in want:
+                assert_close(got[name], want[name], 5 * REL_L2_BOUND[DTYPE], f"step {i} d {name}")
+        model.eval(), twin.eval()
+        with torch.no_grad():
+            ids = torch.randint(0, vocab, (1, 96), generator=torch.Generator().manual_seed(20)).to(DEV)
+            for _ in range(2):  # the second call replays the graph
+                got = compiled(input_ids=ids).logits.clone()
+            assert_close(got, twin(input_ids=ids).logits, REL_L2_BOUND[DTYPE], "prefill logits")
