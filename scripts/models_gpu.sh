@@ -26,6 +26,19 @@ if [ -n "${TESTS:-}" ]; then
   echo "tests exit: $?" >> "$OUT/tests.log"
   tail -2 "$OUT/tests.log"
 fi
+# The models issue's table in two calls (torch.compile's default mode in every compiled column, prefill timed over
+# 50 forwards): PRESET=train-a (the MLP rows and GPT-2-small training), PRESET=train-b (Llama-1B training and both
+# prefill rows).
+case "${PRESET:-}" in
+  train-a) set -- "mlp_d1024|mlp-train --d 1024 --compile-mode default" \
+                 "mlp_d4096|mlp-train --d 4096 --steps 300 --compile-mode default" \
+                 "gpt2_train|train --model gpt2-small --compile-mode default" "$@" ;;
+  train-b) set -- "llama1b_train|train --model llama-1b --compile-mode default" \
+                 "gpt2m_prefill|prefill --model gpt2-medium --repeats 50 --compile-mode default" \
+                 "llama7b_prefill|prefill --model llama-7b --repeats 20 --compile-mode default" "$@" ;;
+  "") ;;
+  *) echo "PRESET must be train-a or train-b, got ${PRESET}" >&2; exit 2 ;;
+esac
 for run in "$@"; do
   name=${run%%|*}
   set -f; args=(${run#*|}); set +f
