@@ -5,7 +5,8 @@
 
 bench: d 128, (B, H, N) = (4, 16, 4096) and (1, 16, 16384), causal and full: tilefuse bf16 (its default
 launch), FP8 from e4m3 inputs (quantized beforehand, as an FP8 pipeline hands them over), FP8 from bf16
-inputs (the quantize pre-pass inside the timed call), cuDNN SDPA bf16. accuracy: one 4k slice per case on
+inputs (the quantize pre-pass inside the timed call), cuDNN SDPA bf16, and the e4m3 row again with
+switches.attention.FP8_FMA_SOFTMAX on. accuracy: one 4k slice per case on
 Gaussian and outlier inputs (1% of d channels x20 in Q, K and V), FP8 with and without the rotation and the
 per-tensor baseline (reference/fp8_attention.py), all against float64.
 """
@@ -65,6 +66,8 @@ def bench(kernel: str):
             try:
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
                     ms = {name: do_bench(fn, warmup=50, rep=300) for name, fn in rows.items()}
+                with switches.overridden(switches.attention, FP8_FMA_SOFTMAX=True):  # the fused softmax step
+                    ms["fp8 (e4m3 inputs, fma softmax)"] = do_bench(rows["fp8 (e4m3 inputs)"], warmup=50, rep=300)
             finally:
                 switches.attention.FP8_KERNEL = old
             fl = _flops(B, H, N, causal)
@@ -73,6 +76,8 @@ def bench(kernel: str):
                        tflops={n: round(fl / t / 1e9, 1) for n, t in ms.items()},
                        fp8_vs_bf16=round(ms["tilefuse bf16"] / ms["fp8 (e4m3 inputs)"], 3),
                        fp8_vs_cudnn=round(ms["cudnn bf16"] / ms["fp8 (e4m3 inputs)"], 3),
+                       fma_softmax_vs_bf16=round(ms["tilefuse bf16"] / ms["fp8 (e4m3 inputs, fma softmax)"], 3),
+                       fma_softmax_vs_cudnn=round(ms["cudnn bf16"] / ms["fp8 (e4m3 inputs, fma softmax)"], 3),
                        fp8_bf16_in_vs_bf16=round(ms["tilefuse bf16"] / ms["fp8 (bf16 inputs, rotated)"], 3),
                        fp8_bf16_in_vs_cudnn=round(ms["cudnn bf16"] / ms["fp8 (bf16 inputs, rotated)"], 3))
             print(json.dumps(row), flush=True)

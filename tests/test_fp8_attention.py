@@ -58,6 +58,29 @@ def test_kernel_matches_the_same_math(B, Hq, Hkv, Nq, Nk, d, causal, window, des
     assert _rel(out, emu) < 2e-4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the warp-specialized FP8 kernel runs on sm_90")
+@pytest.mark.parametrize("fma_softmax", [False, True], ids=["scaled", "fma"])
+@pytest.mark.parametrize("Nq,Nk,causal,window", [(1024, 1024, True, None), (512, 1000, False, None),
+                                                 (700, 700, False, (200, 50))])
+def test_warp_specialized_kernel_matches_the_same_math(Nq, Nk, causal, window, fma_softmax, monkeypatch):
+    """The warp-specialized kernel in either softmax form (switches.attention.FP8_FMA_SOFTMAX) against the tile-by-tile
+    emulation on the same e4m3 inputs, bf16 out: within the output's rounding and P's e4m3 cast of the same numbers
+    (its exp2s round differently), far below e4m3's own step."""
+    from tilefuse.kernels import launches
+    monkeypatch.setattr(switches.attention, "FP8_FMA_SOFTMAX", fma_softmax)
+    q, k, v = (t.cuda() for t in _qkv(2, 4, 2, Nq, Nk, 128))
+    r = quantize_qkv(q, k, v)
+    with launches.recording() as recs:
+        out = tilefuse.attention(r.q, r.k, r.v, causal=causal, window=window, fp8=True, q_scale=r.q_scale,
+                                 k_scale=r.k_scale, v_scale=r.v_scale, out_dtype=torch.bfloat16)
+    assert [rec.kernel for rec in recs if rec.op == "attention_fp8"] == ["ws"], recs
+    left, right = window if window else (-1, -1)
+    right = 0 if causal else right
+    emu = ref_fp8.attention_fp8_tiled(r.q, r.q_scale, r.k, r.k_scale, r.v, r.v_scale, 128 ** -0.5, Nk - Nq, left, right)
+    assert torch.isfinite(out).all() and _rel(out, emu) < 1e-2
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 def test_quantize_matches_reference(rotate):
     """The pre-pass gives the reference's e4m3 values and scales: bit-equal without the rotation; with it, the

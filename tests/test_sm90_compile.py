@@ -536,14 +536,16 @@ def test_wide_head_attention_backward_compiles(which, causal):
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts
 
 
+@pytest.mark.parametrize("fma_softmax", [False, True], ids=["scaled", "fma"])
 @pytest.mark.parametrize("has_right", [False, True])
-def test_fp8_attention_ws_compiles(has_right):
-    """The warp-specialized FP8 attention (ws_fp8.py) at the launch's ring (128-key tiles, 3 stages): partitions,
-    setmaxnreg 24/240, both products on wgmma with P (e4m3) from registers, no spills, the ring in shared memory."""
+def test_fp8_attention_ws_compiles(has_right, fma_softmax):
+    """The warp-specialized FP8 attention (ws_fp8.py) at the launch's ring (128-key tiles, 3 stages), either softmax
+    form: partitions, setmaxnreg 24/240, both products on wgmma with P (e4m3) from registers, no spills, the ring in
+    shared memory."""
     from tilefuse.kernels.attention.launch import FP8_WS_CONFIG
     facts = compile_gluon_sm90("tools.compiler", "attention_fp8_ws_compile_job",
                                dict(head_dim=128, has_right=has_right, block_n=FP8_WS_CONFIG["BLOCK_N"],
-                                    stages=FP8_WS_CONFIG["STAGES"]))
+                                    stages=FP8_WS_CONFIG["STAGES"], fma_softmax=fma_softmax))
     assert facts["warp_specialized"] and facts["wgmma"] and facts["wgmma_a_in_registers"], facts
     assert {24, 240} <= set(facts["setmaxnreg"]) and facts["threads"] == 384, facts
     assert facts["spill_store_bytes"] == 0 and facts["shared"] <= 227 * 1024, facts

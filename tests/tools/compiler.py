@@ -228,14 +228,14 @@ def attention_ws_compile_job(head_dim: int = 128, dtype: str = "bfloat16", has_l
 
 
 def attention_fp8_ws_compile_job(head_dim: int = 128, has_left: bool = False, has_right: bool = False,
-                                 block_n: int = 128, stages: int = 2):
+                                 block_n: int = 128, stages: int = 2, fma_softmax: bool = False):
     """(kernel, signature, constexprs, options) of tilefuse.kernels.attention.ws_fp8.attention_fp8_ws_kernel as
     ``tilefuse.kernels.attention.launch.forward_fp8`` launches it (e4m3 q, k, v^T, bf16 out, fp32 scales)."""
     from tilefuse.kernels.attention import ws, ws_fp8
 
     fn = ws_fp8.attention_fp8_ws_kernel
     constexprs = dict(HEAD_D=head_dim, HAS_LEFT=has_left, HAS_RIGHT=has_right, BLOCK_N=block_n, STAGES=stages,
-                      FLAT_GRID=False)
+                      FLAT_GRID=False, FMA_SOFTMAX=fma_softmax)
     signature = {name: "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names if name not in constexprs}
     signature.update(q_ptr="*fp8e4nv", k_ptr="*fp8e4nv", vt_ptr="*fp8e4nv", o_ptr="*bf16", qs_ptr="*fp32",
                      ks_ptr="*fp32", vs_ptr="*fp32")

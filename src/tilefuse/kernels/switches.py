@@ -153,6 +153,9 @@ attention = Switches(
                            "every backward call takes the full path."),
     FP8_KERNEL=Switch("auto", "FP8 attention: 'auto' runs the warp-specialized kernel where it applies, "
                       "'portable' forces the portable one.", ("auto", "portable")),
+    FP8_FMA_SOFTMAX=Switch(False, "The warp-specialized FP8 kernel's softmax: True takes the row max over raw scores "
+                           "and makes P_SCALE * exp2 by one FMA and one exp2 per score (for a positive softmax "
+                           "scale); False scales every score first and P after (the measured form).", (False, True)),
     FP8_DESCRIPTORS=Switch(None, "The portable FP8 kernel's loads: None decides per call (TMA descriptors on "
                            "sm_90), True / False force one form.", (None, True, False)),
 )

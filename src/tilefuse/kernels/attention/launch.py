@@ -888,7 +888,8 @@ def forward_fp8(q, k, v, q_scale, k_scale, v_scale, scale: float, pos_offset: in
         fastpath.launch(ws_fp8.attention_fp8_ws_kernel, _grid(Nq, ws.BLOCK_M.value, B * Hq), (
             q, k, vt, out, q_scale, k_scale, v_scale, B, Hq, Hkv, Nq, Nk, d, *q.stride()[:3], *k.stride()[:3],
             *vt.stride()[:3], *out.stride()[:3], *windows),
-            dict(HEAD_D=d, **flags, **FP8_WS_CONFIG, num_warps=4, maxnreg=ws.LAUNCH_MAXNREG))
+            dict(HEAD_D=d, **flags, **FP8_WS_CONFIG, FMA_SOFTMAX=switches.attention.FP8_FMA_SOFTMAX and scale > 0,
+                 num_warps=4, maxnreg=ws.LAUNCH_MAXNREG))
         launches.record("attention_fp8", path, "ws", lambda: tuning.describe(dict(BLOCK_M=ws.BLOCK_M.value,
                                                                                    **FP8_WS_CONFIG)))
         return out

@@ -16,6 +16,8 @@ Limits: sm_90, head dims 64 and 128 (d 64 in 64-wide tiles), Nk a multiple of 16
 """
 from __future__ import annotations
 
+import math
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -29,6 +31,7 @@ from tilefuse.kernels.attention.ws import (BLOCK_M, CONSUMER_REGS, HALF_M, LAUNC
 SUPPORTED_HEAD_DIMS = (64, 128)
 QBLOCK = gl.constexpr(constants.FP8_ATTENTION_BLOCK)  # rows per Q/K scale
 P_SCALE = gl.constexpr(constants.FP8_P_SCALE)
+LOG2_P_SCALE = gl.constexpr(math.log2(constants.FP8_P_SCALE))
 
 
 @gluon.constexpr_function
@@ -44,8 +47,42 @@ def fp8_operand_layout(acc_layout):
 
 
 @gluon.jit
-def _p_operand(p, p_layout: gl.constexpr):
-    return gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), p_layout)
+def _p_operand(p, p_layout: gl.constexpr, FMA_SOFTMAX: gl.constexpr):
+    if not FMA_SOFTMAX:  # the fused step's exp2 made P times P_SCALE already
+        p = p * P_SCALE
+    return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right, qk_scale, masked,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                  FMA_SOFTMAX: gl.constexpr):
+    """One key tile's online-softmax step. FMA_SOFTMAX (the launch sets it for qk_scale > 0): the row max taken
+    over the raw scores and scaled once per row, then P_SCALE * exp2(s * qk_scale - m) as one FMA and one exp2 per
+    element (log2(P_SCALE) joins the subtracted max, so l sums P_SCALE * p and the two cancel in O = acc / l).
+    Otherwise ws.py's step (scale every score, then max and exp2), P scaled in _p_operand."""
+    if not FMA_SOFTMAX:
+        return _online_softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right, qk_scale, masked,
+                                    HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    if masked:
+        key_pos = start + gl.arange(0, BLOCK_N, layout=col_s)
+        visible = (key_pos < N_K)[None, :]
+        if HAS_LEFT:
+            visible = visible & (key_pos[None, :] >= pos_m[:, None] - window_left)
+        if HAS_RIGHT:
+            visible = visible & (key_pos[None, :] <= pos_m[:, None] + window_right)
+        s = gl.where(visible, s, float("-inf"))
+    m_raw = gl.max(s, 1)
+    # qk_scale > 0 keeps the max where it is; a zero-scale block (a tensor of zeros) must not make 0 * -inf
+    m_new = gl.maximum(m_i, gl.where(m_raw == float("-inf"), float("-inf"), m_raw * qk_scale))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 of -inf gives 0
+    t = s * qk_scale - (m_safe - LOG2_P_SCALE)[:, None]
+    if masked:  # hidden keys hold -inf (raw scores are finite): -inf again, whatever 0 * -inf gave
+        t = gl.where(s == float("-inf"), float("-inf"), t)
+    p = gl.exp2(t)
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
@@ -53,7 +90,7 @@ def _consume(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_
              ks_base, lo_tile, hi, full_start, full_end, pos_m, N_K, window_left, window_right, qk_scale,
              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
              STAGES: gl.constexpr, WHICH: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-             p_layout: gl.constexpr):
+             p_layout: gl.constexpr, FMA_SOFTMAX: gl.constexpr):
     """ws._consume_pingpong's schedule over e4m3 tiles: tile j's QK^T and tile j-1's PV issued together, tile
     j's softmax while that PV runs; the consumers take turns issuing. Each tile's key scale joins qk_scale."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -67,9 +104,9 @@ def _consume(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     masked = (lo_tile < full_start) | (lo_tile >= full_end)
-    p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i, lo_tile, pos_m, N_K, window_left, window_right,
-                                              qk_scale * k_scale, masked, HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
-    p_op = _p_operand(p, p_layout)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo_tile, pos_m, N_K, window_left, window_right,
+                                       qk_scale * k_scale, masked, HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout, FMA_SOFTMAX)
+    p_op = _p_operand(p, p_layout, FMA_SOFTMAX)
     it = lo_tile * 0
     for start in range(lo_tile + BLOCK_N, hi, BLOCK_N):
         prev = it % STAGES
@@ -90,13 +127,13 @@ def _consume(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_
         s = warpgroup_mma_wait(1, deps=(s, ))  # groups retire in order: QK^T done, PV may still run
         mbarrier.arrive(k_empty.index(slot), count=1)
         masked = (start < full_start) | (start >= full_end)
-        p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right,
-                                                  qk_scale * k_scale, masked, HAS_LEFT, HAS_RIGHT, BLOCK_N,
-                                                  s_layout)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right,
+                                           qk_scale * k_scale, masked, HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout,
+                                           FMA_SOFTMAX)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_op = _p_operand(p, p_layout)
+        p_op = _p_operand(p, p_layout, FMA_SOFTMAX)
     last = it % STAGES
     mbarrier.wait(v_ready.index(last), (it // STAGES) & 1)
     v_t = v_bufs.index(last).reshape([HEAD_D, BLOCK_N]).permute((1, 0))
@@ -108,7 +145,7 @@ def _consume(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_
 
 @gluon.jit
 def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, WHICH: gl.constexpr):
+              STAGES: gl.constexpr, WHICH: gl.constexpr, FMA_SOFTMAX: gl.constexpr):
     """Consumer WHICH (0 or 1): query rows m0 + WHICH*HALF_M .. +HALF_M of the CTA's block."""
     q_desc, k_desc, v_desc, o_desc, qs_ptr, ks_ptr, vs_ptr = descs
     q_bufs, k_bufs, v_bufs, o_bufs = bufs
@@ -139,11 +176,14 @@ def _consumer(descs, bufs, bars, params, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
     acc, m_i, l_i = _consume(acc, m_i, l_i, q_buf, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              turns.index(WHICH), turns.index(1 - WHICH), ks_base, lo_tile, hi, full_start, full_end,
                              pos_m, N_K, window_left, window_right, qk_scale, HAS_LEFT, HAS_RIGHT, BLOCK_N, HEAD_D,
-                             STAGES, WHICH, s_layout, o_layout, p_layout)
-    # Rows that saw no key give 0; V's channel scales and P_SCALE come out with the row sum.
+                             STAGES, WHICH, s_layout, o_layout, p_layout, FMA_SOFTMAX)
+    # Rows that saw no key give 0; V's channel scales and P_SCALE come out with the row sum (in it already when
+    # the fused step scaled P).
     offs_d = gl.arange(0, HEAD_D, layout=col_o)
     v_scale = gl.load(vs_ptr + bh_kv * D + offs_d, mask=offs_d < D, other=0.0)
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i) * P_SCALE
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    if not FMA_SOFTMAX:
+        l_safe = l_safe * P_SCALE
     out = acc * v_scale[None, :] / gl.convert_layout(l_safe, row_o)[:, None]
     o_buf = o_bufs.index(WHICH)
     o_buf.reshape([HALF_M, HEAD_D]).store(out.to(o_desc.dtype))
@@ -184,7 +224,7 @@ def attention_fp8_ws_kernel(q_ptr, k_ptr, vt_ptr, o_ptr, qs_ptr, ks_ptr, vs_ptr,
                             stride_vb, stride_vh, stride_vd, stride_ob, stride_oh, stride_om,
                             qk_scale, pos_offset, window_left, window_right, HEAD_D: gl.constexpr,
                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr, FLAT_GRID: gl.constexpr):
+                            STAGES: gl.constexpr, FLAT_GRID: gl.constexpr, FMA_SOFTMAX: gl.constexpr = False):
     """q [B, Hq, Nq, D], k [B, Hkv, Nk, D] e4m3, vt [B, Hkv, D, Nk] e4m3 (keys contiguous), o [B, Hq, Nq, D]
     16-bit; scales fp32 contiguous: qs [B, Hq, cdiv(Nq, 128)], ks [B, Hkv, cdiv(Nk, 128)], vs [B, Hkv, D].
     Descriptors are made here from the sizes and strides (zero-filled past D and Nk, stores clipped)."""
@@ -220,7 +260,7 @@ def attention_fp8_ws_kernel(q_ptr, k_ptr, vt_ptr, o_ptr, qs_ptr, ks_ptr, vs_ptr,
     params = (b, h, m0, lo_tile, hi, N_Q, N_K, qk_scale, pos_offset, window_left, window_right, H_Q // H_KV, pid_bh,
               D, H_KV)
     gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, 0)),
-        (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, 1)),
+        (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, 0, FMA_SOFTMAX)),
+        (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, 1, FMA_SOFTMAX)),
         (_producer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
