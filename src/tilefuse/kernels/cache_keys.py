@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from triton.runtime.jit import JITFunction
 
+from tilefuse import runtime
+
 _MAX_PASSES = 8
 
 
 def settle(namespace: dict) -> None:
-    """Key every JIT function defined in the module whose ``globals()`` is ``namespace`` (none under the
-    interpreter, whose functions have no disk-cache key), until the keys stop changing."""
+    """Key every JIT function defined in the module whose ``globals()`` is ``namespace``, until the keys stop
+    changing. Nothing under the interpreter: its functions have no disk-cache key (and a Gluon kernel, still a
+    JITFunction there, could not key the interpreted helpers it calls)."""
+    if runtime.interpreter_enabled():
+        return
     fns = [v for v in namespace.values() if isinstance(v, JITFunction) and v.__module__ == namespace["__name__"]]
     keys = [f.cache_key for f in fns]
     for _ in range(_MAX_PASSES):

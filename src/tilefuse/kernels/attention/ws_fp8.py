@@ -24,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from tilefuse import constants
+from tilefuse.kernels import cache_keys
 from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head
 from tilefuse.kernels.attention.ws import (BLOCK_M, CONSUMER_REGS, HALF_M, LAUNCH_MAXNREG, PRODUCER_REGS,
                                            _online_softmax_step, ring_barriers)
@@ -264,3 +265,6 @@ def attention_fp8_ws_kernel(q_ptr, k_ptr, vt_ptr, o_ptr, qs_ptr, ks_ptr, vs_ptr,
         (_consumer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, 1, FMA_SOFTMAX)),
         (_producer, (descs, bufs, bars, params, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+cache_keys.settle(globals())  # _softmax_step reads LOG2_P_SCALE (kernels/cache_keys.py says why)
