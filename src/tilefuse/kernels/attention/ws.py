@@ -41,21 +41,28 @@ def tile_head_dim(d: int) -> int:
 
 
 @gluon.jit
+def hide_keys(s, start, pos_m, N_K, window_left, window_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """A score tile of keys start.. with -inf where a key is past N_K or outside a row's window."""
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    key_pos = start + gl.arange(0, BLOCK_N, layout=col_s)
+    visible = (key_pos < N_K)[None, :]
+    if HAS_LEFT:
+        visible = visible & (key_pos[None, :] >= pos_m[:, None] - window_left)
+    if HAS_RIGHT:
+        visible = visible & (key_pos[None, :] <= pos_m[:, None] + window_right)
+    return gl.where(visible, s, float("-inf"))
+
+
+@gluon.jit
 def _online_softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right, qk_scale, masked,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
                          s_layout: gl.constexpr):
     """Scores of one K tile -> (p, alpha, m_new, l_new): the one place the running max and sum change.
     ``masked`` (constexpr or runtime) applies N_K and the window to this tile's keys."""
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     s = s * qk_scale  # log2 domain: scale * log2(e) folded in, so exp is one exp2
     if masked:
-        key_pos = start + gl.arange(0, BLOCK_N, layout=col_s)
-        visible = (key_pos < N_K)[None, :]
-        if HAS_LEFT:
-            visible = visible & (key_pos[None, :] >= pos_m[:, None] - window_left)
-        if HAS_RIGHT:
-            visible = visible & (key_pos[None, :] <= pos_m[:, None] + window_right)
-        s = gl.where(visible, s, float("-inf"))
+        s = hide_keys(s, start, pos_m, N_K, window_left, window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
     m_new = gl.maximum(m_i, gl.max(s, 1))
     # A row that has seen no key keeps m = -inf: subtract 0 so exp2 gives 0, not NaN.
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)

@@ -27,7 +27,7 @@ from tilefuse import constants
 from tilefuse.kernels import cache_keys
 from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head
 from tilefuse.kernels.attention.ws import (BLOCK_M, CONSUMER_REGS, HALF_M, LAUNCH_MAXNREG, PRODUCER_REGS,
-                                           _online_softmax_step, ring_barriers)
+                                           _online_softmax_step, hide_keys, ring_barriers)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 QBLOCK = gl.constexpr(constants.FP8_ATTENTION_BLOCK)  # rows per Q/K scale
@@ -65,15 +65,8 @@ def _softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right, qk_
     if not FMA_SOFTMAX:
         return _online_softmax_step(s, m_i, l_i, start, pos_m, N_K, window_left, window_right, qk_scale, masked,
                                     HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     if masked:
-        key_pos = start + gl.arange(0, BLOCK_N, layout=col_s)
-        visible = (key_pos < N_K)[None, :]
-        if HAS_LEFT:
-            visible = visible & (key_pos[None, :] >= pos_m[:, None] - window_left)
-        if HAS_RIGHT:
-            visible = visible & (key_pos[None, :] <= pos_m[:, None] + window_right)
-        s = gl.where(visible, s, float("-inf"))
+        s = hide_keys(s, start, pos_m, N_K, window_left, window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
     m_raw = gl.max(s, 1)
     # qk_scale > 0 keeps the max where it is; a zero-scale block (a tensor of zeros) must not make 0 * -inf
     m_new = gl.maximum(m_i, gl.where(m_raw == float("-inf"), float("-inf"), m_raw * qk_scale))
