@@ -27,20 +27,9 @@
 # (benchmarks/host_profile.py: linear_train M512, linear M64, layer_norm_linear's rms row at K 768), each into
 # $OUT/host_profile_<op>.txt.
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/tilefuse_out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 # A Triton cache carried in from an earlier call (.carry/triton_cache.tgz) skips recompiling.
-export TRITON_CACHE_DIR=/tmp/triton_cache
-mkdir -p "$TRITON_CACHE_DIR"
 [ -f .carry/triton_cache.tgz ] && tar xzf .carry/triton_cache.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
-# Pure-Python wheels carried in .whl (e.g. liger-kernel for its anchors).
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
 LIMIT=${GPU_CHECK_LIMIT:-540}
 START=$(date +%s)
 left() { echo $(( LIMIT - ($(date +%s) - START) )); }

@@ -8,16 +8,7 @@
 # 120; TEST_K a pytest -k expression for them), COMPILE_RULES for the patched + compiled variants (TILEFUSE_COMPILE_RULES). Wheels carried in .whl/
 # (liger-kernel for its variant) are installed first.
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/tilefuse_out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=/tmp/triton_cache
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source "$(dirname "$0")/device_env.sh"
 [ -n "${COMPILE_RULES:-}" ] && export TILEFUSE_COMPILE_RULES="$COMPILE_RULES"
 { nvidia-smi; python3 -m tilefuse info; git log -1 --oneline 2>/dev/null; } > "$OUT/env.txt" 2>&1
 if [ -n "${TESTS:-}" ]; then
