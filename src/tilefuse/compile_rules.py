@@ -19,10 +19,11 @@ the environment: set the variable before compiling.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
+
+from tilefuse import runtime
 
 INDUCTOR, TILEFUSE = "inductor", "tilefuse"
 RULES = (INDUCTOR, TILEFUSE)
@@ -111,19 +112,10 @@ def hands_back(pattern: str) -> bool:
     return torch.compiler.is_compiling() and rule(pattern) == INDUCTOR
 
 
-@contextlib.contextmanager
 def use_compile_rules(**given: str):
     """``with tilefuse.use_compile_rules(linear="tilefuse"):`` -- graphs torch.compile traces inside take these
     rules (``all="tilefuse"`` for every pattern; named patterns after it win)."""
-    block = _expand({k.lower(): v for k, v in given.items()}, "use_compile_rules")
-    _BLOCKS.append(block)
-    try:
-        yield
-    finally:
-        for i in range(len(_BLOCKS) - 1, -1, -1):
-            if _BLOCKS[i] is block:
-                del _BLOCKS[i]
-                break
+    return runtime.stacked(_BLOCKS, _expand({k.lower(): v for k, v in given.items()}, "use_compile_rules"))
 
 
 def describe() -> str:

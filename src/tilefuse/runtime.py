@@ -89,19 +89,25 @@ def backend() -> str:
 
 
 @contextlib.contextmanager
+def stacked(blocks: list, block):
+    """``block`` on the process-wide stack ``blocks`` while the with-block runs, then that very object removed
+    (not whatever is last: blocks of other threads may have ended out of order). ``block`` must be an object of
+    its own identity (a list or dict made for this block)."""
+    blocks.append(block)
+    try:
+        yield
+    finally:
+        for i in range(len(blocks) - 1, -1, -1):
+            if blocks[i] is block:
+                del blocks[i]
+                break
+
+
 def use_backend(name: str):
     """``with tilefuse.use_backend("tilefuse"):`` -- ops called inside take that backend (``auto``,
     ``tilefuse`` or ``vendor``), whatever ``TILEFUSE_BACKEND`` says. Process-wide while the block runs, like
     ``torch.backends`` flags: a backward that autograd runs on its own device thread takes it too."""
-    block = [_check_backend(name, "use_backend's name")]  # a list: its own identity, removed exactly
-    _BACKEND_BLOCKS.append(block)
-    try:
-        yield
-    finally:
-        for i in range(len(_BACKEND_BLOCKS) - 1, -1, -1):
-            if _BACKEND_BLOCKS[i] is block:
-                del _BACKEND_BLOCKS[i]
-                break
+    return stacked(_BACKEND_BLOCKS, [_check_backend(name, "use_backend's name")])
 
 
 _DEVICE_FACTS: dict = {}
