@@ -21,8 +21,12 @@ RUN = "inductor" if ON_GPU else "aot_eager"  # what runs the captured graph (ind
 
 # ---- the rules themselves -----------------------------------------------------------------------------------
 
-def test_defaults_env_and_blocks(monkeypatch):
+@pytest.fixture(autouse=True)
+def _no_rules_from_the_environment(monkeypatch):
     monkeypatch.delenv(compile_rules.ENV, raising=False)
+
+
+def test_defaults_env_and_blocks(monkeypatch):
     assert compile_rules.rules() == {p: r for p, (r, _) in compile_rules.DEFAULT_RULES.items()}
     assert set(compile_rules.rules()) == set(compile_rules.PATTERNS)
     monkeypatch.setenv(compile_rules.ENV, "all=tilefuse, Norm=Inductor")
@@ -95,6 +99,18 @@ def _compiled(fn):
     return torch.compile(fn, fullgraph=True, backend=backend), graphs
 
 
+def _traced_under(given, want, fn, *args):
+    """fn compiled under the rules ``given``: its first graph holds exactly the tilefuse ops ``want``, and its
+    output (no grad) is fn's in eager."""
+    with torch.no_grad():
+        eager = fn(*args)
+        with tilefuse.use_compile_rules(**given):
+            compiled, graphs = _compiled(fn)
+            got = compiled(*args)
+    assert graphs and graphs[0] == want, f"rules {given}: the graph holds {graphs}, want {want}"
+    assert_close(got, eager, REL_L2_BOUND[DTYPE], f"compiled under {given} vs eager")
+
+
 @pytest.mark.parametrize("given, want", [
     ({}, set()),  # the defaults: norms, Linear + GELU and the gated MLP to Inductor
     ({"mlp": "tilefuse"}, {"gated_linear"}),
@@ -102,21 +118,12 @@ def _compiled(fn):
     ({"all": "inductor"}, set()),
     ({"norm": "tilefuse", "mlp": "inductor"}, {"rms_norm", "layer_norm"}),
 ])
-def test_each_pattern_in_the_traced_graph_follows_its_rule(monkeypatch, given, want):
-    monkeypatch.delenv(compile_rules.ENV, raising=False)
+def test_each_pattern_in_the_traced_graph_follows_its_rule(given, want):
     model, _ = _patched_block()
-    x = torch.randn(2, 5, H, device=DEV, dtype=DTYPE)
-    with torch.no_grad():
-        eager = model(x)
-        with tilefuse.use_compile_rules(**given):
-            fn, graphs = _compiled(model)
-            got = fn(x)
-    assert graphs and graphs[0] == want, f"rules {given}: the graph holds {graphs}, want {want}"
-    assert_close(got, eager, REL_L2_BOUND[DTYPE], f"compiled under {given} vs the patched model in eager")
+    _traced_under(given, want, model, torch.randn(2, 5, H, device=DEV, dtype=DTYPE))
 
 
-def test_a_changed_rule_recompiles_and_gradients_flow_either_way(monkeypatch):
-    monkeypatch.delenv(compile_rules.ENV, raising=False)
+def test_a_changed_rule_recompiles_and_gradients_flow_either_way():
     model, _ = _patched_block()
     fn, graphs = _compiled(model)
     x = torch.randn(3, H, device=DEV, dtype=DTYPE)
@@ -163,30 +170,20 @@ def _gpt2():
     ({"all": "tilefuse"}, {"attention", "linear_cross_entropy", "qkv_projection", "layer_norm", "linear"}),
     ({"attention": "inductor", "loss": "inductor"}, set()),
 ])
-def test_a_patched_hugging_face_model_compiled(monkeypatch, given, want):
-    monkeypatch.delenv(compile_rules.ENV, raising=False)
+def test_a_patched_hugging_face_model_compiled(given, want):
     model = _gpt2()
     report = tilefuse.patch(model)
     assert {"attention", "lm_head", "transformer.h.0.attn"} <= {path for path, *_ in report.replaced}, str(report)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEV)
 
-    def loss(ids):
-        return model(input_ids=ids, labels=ids).loss
-    with torch.no_grad():
-        eager = loss(ids)
-        with tilefuse.use_compile_rules(**given):
-            fn, graphs = _compiled(loss)
-            got = fn(ids)
-    assert graphs and graphs[0] == want, f"rules {given}: the graph holds {graphs}, want {want}"
-    assert_close(got, eager, REL_L2_BOUND[DTYPE], f"loss compiled under {given} vs eager")
+    _traced_under(given, want, lambda ids: model(input_ids=ids, labels=ids).loss, ids)
 
 
 
-def test_an_unpadded_causal_batch_reaches_attention_without_a_mask_under_compile(monkeypatch):
+def test_an_unpadded_causal_batch_reaches_attention_without_a_mask_under_compile():
     """HF builds the [B, 1, N, N] causal mask whenever torch.compile traces (only data could tell whether a padding
     mask may be skipped); with no padding mask the shapes alone tell, so the patched model's mask builder gives
     None and attention runs causal, reading no mask -- in eager and compiled graphs alike."""
-    monkeypatch.delenv(compile_rules.ENV, raising=False)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
@@ -219,10 +216,9 @@ def test_an_unpadded_causal_batch_reaches_attention_without_a_mask_under_compile
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("given", [{}, {"all": "tilefuse"}], ids=["default rules", "all tilefuse"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_reduce_overhead_over_a_patched_model_trains_and_prefills(family, given, monkeypatch):
+def test_reduce_overhead_over_a_patched_model_trains_and_prefills(family, given):
     """torch.compile(mode="reduce-overhead") -- CUDA graphs replayed -- over a patched model: three training steps
     on fresh batches give the patched eager model's losses and gradients, and a prefill its logits."""
-    monkeypatch.delenv(compile_rules.ENV, raising=False)
     torch.manual_seed(0)
     if family == "llama":
         config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
