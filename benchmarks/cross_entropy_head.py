@@ -27,6 +27,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--chunk-mib", nargs="*", type=int, default=[128, 64],
+                   help="more training-form variants at these logits-chunk sizes (MiB)")
     args = p.parse_args()
     import triton.testing
 
@@ -35,17 +37,26 @@ def main() -> int:
     def eager(x, w, t):
         return F.cross_entropy(F.linear(x, w).float(), t)
     compiled = torch.compile(eager, dynamic=False)
-    from tilefuse.kernels.gemm import launch
 
-    def fused(training):
+    from tilefuse.kernels.gemm.launch import loss as loss_launch
+    shipped_chunk = loss_launch.LCE_TRAINING_CHUNK_BYTES
+
+    def fused(training, chunk_bytes=shipped_chunk):
         def run(x, w, t):
             # the launch layer's forms (its LCE_TRAINING_FORM): gradients made in the forward, or the chunked
-            # forward and the backward that recomputes the logits
+            # forward and the backward that recomputes the logits; the training form's logits chunk in bytes
             switches.gemm.LCE_TRAINING_FORM, switches.gemm.LCE_FORWARD = training, "chunked"
-            return tilefuse.linear_cross_entropy(x, w, t, check_targets=False)
+            loss_launch.LCE_TRAINING_CHUNK_BYTES = chunk_bytes
+            try:
+                return tilefuse.linear_cross_entropy(x, w, t, check_targets=False)
+            finally:
+                loss_launch.LCE_TRAINING_CHUNK_BYTES = shipped_chunk
         return run
     variants = {"tilefuse (training form)": fused(True), "tilefuse (recomputing form)": fused(False),
                 "eager": eager, "torch.compile": compiled}
+    # the chunk trade: a smaller logits chunk holds less memory and reads and rewrites dW more often
+    for mib in args.chunk_mib:
+        variants[f"tilefuse (training form, {mib} MiB chunk)"] = fused(True, mib * 2**20)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         liger = LigerFusedLinearCrossEntropyLoss()

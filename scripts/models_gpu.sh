@@ -35,9 +35,10 @@ for run in "$@"; do
   set -f; args=(${run#*|}); set +f
   rules=${TILEFUSE_COMPILE_RULES:-}
   case "$name" in *@*) rules=${name#*@}; name=${name%%@*} ;; esac
+  start=$SECONDS
   TILEFUSE_COMPILE_RULES="$rules" timeout "${RUN_LIMIT:-240}" python3 -m tilefuse bench "${args[@]}" --no-progress --out "$OUT/$name" \
     > "$OUT/$name.log" 2>&1
-  echo "$name exit: $?" >> "$OUT/$name.log"
+  echo "$name exit: $? after $((SECONDS - start)) s" >> "$OUT/$name.log"
   tail -12 "$OUT/$name.log"
 done
 (cd "$OUT" && ls -A | grep -v -x models.tgz | tar czf models.tgz --remove-files -T -)
