@@ -45,7 +45,7 @@ def main() -> int:
         def run(x, w, t):
             # the launch layer's forms (its LCE_TRAINING_FORM): gradients made in the forward, or the chunked
             # forward and the backward that recomputes the logits; the training form's logits chunk in bytes
-            switches.gemm.LCE_TRAINING_FORM, switches.gemm.LCE_FORWARD = training, "chunked"
+            switches.gemm.LCE_TRAINING_FORM = training
             loss_launch.LCE_TRAINING_CHUNK_BYTES = chunk_bytes
             try:
                 return tilefuse.linear_cross_entropy(x, w, t, check_targets=False)

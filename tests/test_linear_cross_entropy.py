@@ -173,7 +173,6 @@ def test_backward_over_several_chunks(device, monkeypatch, smoothing, softcap, f
     three, dW summed over them), its gradients made in the forward and scaled by the loss's gradient (x 2.5 here)
     in the backward. Gradients against float64, bias included; bit-identical when run twice (no atomics)."""
     from tilefuse.kernels import launches
-    from tilefuse.kernels.gemm import launch
     monkeypatch.setattr(switches.gemm, "LCE_TRAINING_FORM", form == "training")
     x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=4)
     grads = []
@@ -270,13 +269,10 @@ def test_training_form_only_where_every_row_takes_one_gradient(device, case):
     assert recs and not any(r.kernel.startswith("training form") for r in recs), recs
 
 
-@pytest.mark.parametrize("forward,softcap", [("chunked", None), ("chunked", 5.0), ("online", None), ("online", 5.0)])
-def test_both_forwards_match_float64(device, monkeypatch, forward, softcap):
-    """Both forwards fold the same partials -- over cuBLAS-made vocabulary chunks (the default) and on chip:
-    losses and lse agree with float64 over three chunks / vocabulary slices (the last partial), label
-    smoothing and bias included."""
-    from tilefuse.kernels.gemm import launch
-    monkeypatch.setattr(switches.gemm, "LCE_FORWARD", forward)
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_chunked_forward_matches_float64(device, monkeypatch, softcap):
+    """The forward folds the partials of cuBLAS-made vocabulary chunks: losses and lse agree with float64 over
+    three chunks (the last partial), label smoothing and bias included."""
     x, w, b, target = _three_chunk_problem(device, monkeypatch, seed=5)
     got, lse = tilefuse.linear_cross_entropy(x, w, target, b, reduction="none", label_smoothing=0.1,
                                              softcap=softcap, return_lse=True)

@@ -469,22 +469,15 @@ def test_hopper_grad_weight_compiles_to_wgmma_without_spills(flags):
     assert facts["shared"] <= 227 * 1024, facts
 
 
-@pytest.mark.parametrize("kernel,precision", representative([
-    ("qkv", "ieee"), ("lce_forward", "tf32"), ("qkv", "tf32"), ("lce_forward", "ieee")], keep=2))
-def test_fp32_gemm_kernels_honour_the_input_precision(kernel, precision):
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_fp32_gemm_kernels_honour_the_input_precision(precision):
     """fp32 operands run full-precision FMA dots unless torch allows TF32 (launch.precision_for): a tl.dot
     left at its default precision rounds fp32 operands to TF32, which on the H200 put the fp32 QKV rows at
     rel-L2 5e-4 to 8e-4 against the 1e-5 bound. TF32 dots are wgmma; IEEE ones are not."""
-    from tilefuse.kernels.gemm.launch.loss import LCE_TILE
-    if kernel == "qkv":
-        module, name = "tilefuse.kernels.gemm.qkv", "qkv_projection_kernel"
-        consts = dict(HAS_BIAS=True, HAS_ROPE=True, INTERLEAVED=False, HAS_NORM=True, BLOCK_M=64, BLOCK_R=32,
-                      BLOCK_P=16, BLOCK_K=32)
-        sig = {"*": "*fp32", "eps": "fp32"}
-    else:
-        module, name = "tilefuse.kernels.gemm.cross_entropy", kernel + "_kernel"
-        consts = dict(HAS_BIAS=True, HAS_SOFTCAP=True, **{k: v for k, v in LCE_TILE.items() if k.startswith("BLOCK")})
-        sig = {"*": "*fp32", "target_ptr": "*i64", "softcap": "fp32"}
+    module, name = "tilefuse.kernels.gemm.qkv", "qkv_projection_kernel"
+    consts = dict(HAS_BIAS=True, HAS_ROPE=True, INTERLEAVED=False, HAS_NORM=True, BLOCK_M=64, BLOCK_R=32,
+                  BLOCK_P=16, BLOCK_K=32)
+    sig = {"*": "*fp32", "eps": "fp32"}
     consts.update(INPUT_PRECISION=precision, UPCAST_DOT=False)
     facts = compile_sm90(module, name, sig, consts, 4, 2)
     assert facts["wgmma"] == (precision == "tf32"), facts

@@ -9,8 +9,8 @@ from tilefuse.kernels import fastpath, switches
 def test_a_switch_takes_only_its_own_kind_of_value(monkeypatch):
     with pytest.raises(TypeError, match=r"switches\.gemm\.COOP_BACKWARD is True or False"):
         switches.gemm.COOP_BACKWARD = 0
-    with pytest.raises(ValueError, match=r"switches\.gemm\.LCE_FORWARD: 'fast' is not one of"):
-        switches.gemm.LCE_FORWARD = "fast"
+    with pytest.raises(ValueError, match=r"switches\.gemm\.COOP_BACKWARD_CONFIG: 'fast' is not one of"):
+        switches.gemm.COOP_BACKWARD_CONFIG = "fast"
     with pytest.raises(AttributeError, match=r"switches\.gemm has no switch 'COOP'"):
         switches.gemm.COOP = False
     with pytest.raises(ValueError):
@@ -21,10 +21,10 @@ def test_a_switch_takes_only_its_own_kind_of_value(monkeypatch):
 
 def test_overridden_restores_and_every_change_moves_the_generation():
     before = switches.GENERATION
-    with switches.overridden(switches.gemm, COOP_GATED=False, LCE_FORWARD="online"):
-        assert switches.gemm.COOP_GATED is False and switches.gemm.LCE_FORWARD == "online"
+    with switches.overridden(switches.gemm, COOP_GATED=False, COOP_BACKWARD_CONFIG="128x128x64_s3"):
+        assert switches.gemm.COOP_GATED is False and switches.gemm.COOP_BACKWARD_CONFIG == "128x128x64_s3"
         assert switches.GENERATION == before + 2
-    assert switches.gemm.COOP_GATED is True and switches.gemm.LCE_FORWARD == "chunked"
+    assert switches.gemm.COOP_GATED is True and switches.gemm.COOP_BACKWARD_CONFIG == "128x256x32_s4"
     assert switches.GENERATION == before + 4
 
 

@@ -131,8 +131,6 @@ gemm = Switches(
                         "than the tuned pointer dW); False leaves dW to the pointer kernel."),
     FP8_FAST_ACCUM=Switch(False, "FP8 Linear accumulates the whole K loop in the tensor cores' fast accumulator "
                           "instead of promoting each 128-deep step to fp32 (cuBLASLt's default is off)."),
-    LCE_FORWARD=Switch("chunked", "linear_cross_entropy's forward: 'chunked' (cuBLAS logits per vocabulary chunk, "
-                       "folded by a row pass) or 'online' (logit tiles only on chip).", ("chunked", "online")),
     LCE_TRAINING_FORM=Switch(True, "Autograd over a mean/sum linear_cross_entropy, eager or in a graph torch.compile "
                              "traces, takes the training form (loss and both gradients in one pass over token chunks)."),
     QKV_TMA=Switch(True, "qkv_projection on Hopper takes the TMA kernels where their tile table holds the head "

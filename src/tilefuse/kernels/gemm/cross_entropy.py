@@ -1,12 +1,10 @@
 """The LM head without logits: ``cross_entropy(x @ W^T + b, target)`` with the [tokens, V] logits never
 materialised, forward and backward.
 
-Forward (``lce_forward_kernel``): a program per (token block, vocabulary slice) streams the slice's W tiles
-through a tiled GEMM and folds each logit tile into a running max / sum of exponentials (the online
-softmax), the target's logit and the logits' sum (for label smoothing); the slices' partials are merged on
-the host side of the launch layer (4 floats per token and slice). The chunked forward
-(``lce_chunk_stats_kernel``; launch.LCE_FORWARD) folds the same partials from vocabulary chunks whose logits
-a cuBLAS GEMM made, one [T, VC] chunk at a time.
+Forward (``lce_chunk_stats_kernel``): a cuBLAS GEMM makes one vocabulary chunk's logits [T, VC] at a time; a
+row pass folds each chunk into per-row partials -- the running max / sum of exponentials (the online
+softmax), the target's logit and the logits' sum (for label smoothing) -- which the launch layer merges
+(4 floats per token and chunk).
 Backward (launch.py), over vocabulary chunks of a few thousand entries: the chunk's logits [T, VC] are
 recomputed by one GEMM, turned into ``dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V))``
 (times 1 - tanh^2 under the softcap) in place by ``lce_logit_grad_kernel``, then ``dW[chunk] = dz^T @ x``
@@ -15,7 +13,8 @@ recomputed by one GEMM, turned into ``dz = dloss * ((1 - eps) * (softmax - oneho
 deterministic.
 HBM bytes (element size s, T tokens): eager writes the logits and reads them back at least twice (softmax,
 its gradient) and writes their gradient: >= 4 * T * V * s beyond the GEMMs' operands; fused: the GEMM
-operands, 16 bytes per token and slice in the forward, and in the backward each chunk written and read
+operands, in the forward each chunk written and read once (2 * T * V * s) and 16 bytes per token and chunk, in
+the backward each chunk written and read
 three times (T * V * s * 3 in all) plus the fp32 dx accumulator.
 Rows whose target is ``ignore_index`` contribute nothing; a target outside [0, V) gets a NaN loss (the
 launch layer) and no gradient, and is never used as an address.
@@ -33,58 +32,6 @@ def _soft_capped(z, softcap):
     """(Gemma 2's soft-capped logits softcap * tanh(z / softcap), the tanh: its derivative is 1 - tanh^2)."""
     t = tanh(z / softcap)
     return softcap * t, t
-
-
-@triton.jit
-def _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
-                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(logits z [BLOCK_M, BLOCK_V] fp32 after bias and softcap, tanh of the capped argument) for the
-    token rows and vocabulary columns given; columns past V come back as -inf."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = (k0 + offs_k) < K
-        x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + offs_v.to(tl.int64)[None, :] * stride_wv + (k0 + offs_k)[:, None],
-                    mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # [BLOCK_K, BLOCK_V]
-        if UPCAST_DOT:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
-    if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
-    t = acc
-    if HAS_SOFTCAP:
-        acc, t = _soft_capped(acc, softcap)
-    return tl.where(mask_v[None, :], acc, float("-inf")), t
-
-
-@triton.jit
-def lce_forward_kernel(
-    x_ptr, w_ptr, b_ptr, target_ptr, part_ptr,  # part: fp32 [4, SPLITS, M]: max, sum of exp, z_target, sum z
-    M, V, K, V_SLICE,                            # V_SLICE: vocabulary columns per slice (a multiple of BLOCK_V)
-    stride_xm, stride_wv, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    splits = tl.num_programs(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    offs_m64 = offs_m.to(tl.int64)
-    target, m_i, l_i, z_t, z_sum = _rows_start(target_ptr, offs_m64, mask_m, BLOCK_M)
-    v_begin = split * V_SLICE
-    v_end = tl.minimum(V, v_begin + V_SLICE)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < v_end
-        z, _ = _logit_tile(x_ptr, w_ptr, b_ptr, offs_m64, offs_v, mask_m, mask_v, K, stride_xm, stride_wv, softcap,
-                           HAS_BIAS, HAS_SOFTCAP, INPUT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_V, BLOCK_K)
-        m_i, l_i, z_t, z_sum = _fold_tile(z, offs_v, mask_v, target, m_i, l_i, z_t, z_sum)
-    _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum)
 
 
 @triton.jit
@@ -120,7 +67,7 @@ def _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t,
 @triton.jit(do_not_specialize=["v0", "split", "splits"])  # split == 1 would become a constexpr (no .to)
 def lce_chunk_stats_kernel(
     z_ptr,                       # [M, VC] logits of vocabulary chunk ``split`` (bias added), from a GEMM
-    target_ptr, part_ptr,        # part: fp32 [4, SPLITS, M], as lce_forward_kernel writes it
+    target_ptr, part_ptr,        # part: fp32 [4, SPLITS, M], the chunks' partials
     M, VC, v0, split, splits, stride_zm, softcap,
     HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):

@@ -1,71 +1,40 @@
 """The LM-head loss, ``cross_entropy(x @ W^T + b, target)`` without the [tokens, vocabulary] logits in HBM at
-once: the forward over vocabulary chunks (cuBLAS logits folded by a row pass) or the online kernel, the
-recomputing backward, and the training form (loss and both gradients over token chunks in one pass)."""
+once: the forward over vocabulary chunks (cuBLAS logits folded by a row pass), the recomputing backward, and the
+training form (loss and both gradients over token chunks in one pass)."""
 from __future__ import annotations
 
 import torch
 
-from tilefuse import runtime
-from tilefuse.kernels import fastpath, launches, switches
-from tilefuse.runtime import precision_for
+from tilefuse.kernels import fastpath, launches
 from tilefuse.sizes import cdiv
-
-# One tile shape (not tuned yet): 64 tokens x 128 vocabulary columns, K in 64-wide steps; the interpreter
-# takes 64 x 64 x 32 (its cost is per program).
-LCE_TILE = dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
-LCE_INTERPRETER_TILE = dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32)
-
-
-def _lce_tile(path):
-    return LCE_INTERPRETER_TILE if path == runtime.INTERPRETER else LCE_TILE
 
 
 def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float, softcap, path):
     """(loss per row fp32 [M], lse fp32 [M]) of ``cross_entropy(x2d @ w^T + b, target)`` for x2d [M, K] and
     w [V, K] with unit inner strides, target int [M]: 0 on rows whose target is ``ignore_index``, NaN where
-    the target is outside [0, V). The vocabulary is cut into slices (enough programs for the GPU); their
-    partial (max, sum of exp, target logit, logit sum) merge here."""
-    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel, lce_forward_kernel
+    the target is outside [0, V). The vocabulary is cut into chunks (lce_vocab_chunk); their partials (max, sum
+    of exp, target logit, logit sum) merge here."""
+    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel
 
-    M, K = x2d.shape
+    M = x2d.shape[0]
     V = w.shape[0]
-    if switches.gemm.LCE_FORWARD == "chunked":  # cuBLAS makes each vocabulary chunk's logits; a row pass folds them
-        vc = lce_vocab_chunk(M, V, x2d.element_size())
-        splits = cdiv(V, vc)
-        part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
-        tile = LCE_STATS_TILE
-        buf = _logits_buffer(M, vc, x2d)
-        for i, v0 in enumerate(range(0, V, vc)):
-            z = _chunk_logits(x2d, w, b, v0, vc, buf)
-            fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (
-                z, target, part, M, z.shape[1], v0, i, splits, z.stride(0), float(softcap or 0.0)),
-                dict(HAS_SOFTCAP=softcap is not None, **tile))
-        launches.record("linear_cross_entropy", path, f"{splits} vocabulary chunks of {vc}: logits by a GEMM, "
-                        "folded by a row pass", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
-    else:
-        tile = _lce_tile(path)
-        blocks = cdiv(M, tile["BLOCK_M"])
-        vtiles = cdiv(V, tile["BLOCK_V"])
-        if path == runtime.INTERPRETER:
-            splits = min(4, vtiles)
-        else:
-            splits = max(1, min(vtiles, cdiv(2 * runtime.device_facts(x2d.device)[1], blocks)))
-        v_slice = cdiv(vtiles, splits) * tile["BLOCK_V"]
-        splits = cdiv(V, v_slice)
-        part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
-        fastpath.launch(lce_forward_kernel, (blocks, splits), (
-            x2d, w, b if b is not None else w, target, part, M, V, K, v_slice, x2d.stride(0), w.stride(0),
-            float(softcap or 0.0)),
-            dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None,
-                 INPUT_PRECISION=precision_for(x2d.dtype, x2d.is_cuda),
-                 UPCAST_DOT=path == runtime.INTERPRETER and x2d.dtype == torch.bfloat16, **tile))
-        launches.record("linear_cross_entropy", path, f"online lse over {splits} vocabulary slices",
-                        lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}x{tile['BLOCK_K']}")
+    vc = lce_vocab_chunk(M, V, x2d.element_size())  # cuBLAS makes each chunk's logits; a row pass folds them
+    splits = cdiv(V, vc)
+    part = torch.empty((4, splits, M), dtype=torch.float32, device=x2d.device)
+    tile = LCE_STATS_TILE
+    buf = _logits_buffer(M, vc, x2d)
+    for i, v0 in enumerate(range(0, V, vc)):
+        z = _chunk_logits(x2d, w, b, v0, vc, buf)
+        fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (
+            z, target, part, M, z.shape[1], v0, i, splits, z.stride(0), float(softcap or 0.0)),
+            dict(HAS_SOFTCAP=softcap is not None, **tile))
+    launches.record("linear_cross_entropy", path, f"{splits} vocabulary chunks of {vc}: logits by a GEMM, "
+                    "folded by a row pass", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
     return _rows_from_partials(part, target, V, ignore_index, smoothing)
 
 
 def _rows_from_partials(part, target, V: int, ignore_index: int, smoothing: float):
-    """(loss per row, lse per row) from the slices' partials fp32 [4, splits, M] (max, sum of exp, target logit,
+    """(loss per row, lse per row) from the chunks' partials fp32 [4, splits, M] (max, sum of exp, target logit,
     logit sum): 0 on rows whose target is ``ignore_index``, NaN where it is outside [0, V)."""
     m = part[0].amax(0)
     lse = m + torch.log((part[1] * torch.exp(part[0] - m)).sum(0))
