@@ -118,6 +118,7 @@ def use_compile_rules(**given: str):
     return runtime.stacked(_BLOCKS, _expand({k.lower(): v for k, v in given.items()}, "use_compile_rules"))
 
 
-def describe() -> str:
-    """One line: each pattern's rule in force (for reports and ``tilefuse info``)."""
-    return ", ".join(f"{p}={r}" for p, r in rules().items())
+def describe(given: dict | None = None) -> str:
+    """One line, ``norm=inductor, ...``: each pattern's rule in ``given`` (a :func:`rules` result kept by a report)
+    or in force now."""
+    return ", ".join(f"{p}={r}" for p, r in (rules() if given is None else given).items())

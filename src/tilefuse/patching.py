@@ -58,7 +58,7 @@ class PatchReport:
             head += f" (backend {self.backend}: {BACKEND_MEANING[self.backend]})"
         lines = [head]
         if self.compile_rules:
-            lines.append("  under torch.compile: " + ", ".join(f"{p}={r}" for p, r in self.compile_rules.items()))
+            lines.append("  under torch.compile: " + compile_rules.describe(self.compile_rules))
         lines += [f"  replaced {path}: {old} -> {new} ({check})" for path, old, new, check in self.replaced]
         lines += [f"  skipped  {path}: {reason}" for path, reason in self.skipped]
         return "\n".join(lines)

@@ -502,8 +502,7 @@ def summary_text(result) -> str:
     lines = [f"{kind} {result['model']} on {result['device']} ({result['path']}), {result['dtype']}, "
              f"torch.compile mode {result['compile']['mode']}"]
     if "torch.compile over tilefuse" in result["variants"] and result["compile"].get("rules"):
-        lines.append("  patched patterns under torch.compile: "
-                     + ", ".join(f"{p}={r}" for p, r in result["compile"]["rules"].items()))
+        lines.append("  patched patterns under torch.compile: " + compile_rules.describe(result["compile"]["rules"]))
     with_liger = LIGER in result["variants"]
     for n, v in result["variants"].items():
         if v.get("error"):
