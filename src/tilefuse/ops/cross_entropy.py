@@ -152,11 +152,13 @@ _lce_call = _dispatch.register_autograd(_lce_op, _rows_impl, _backward, _setup)
 TRAINING_DTYPES = (torch.bfloat16, torch.float32)  # fp16's range cannot hold dW summed before the loss's scale
 
 
-def _training_form_applies(reduction, x2d, weight, bias, t1d) -> bool:
-    """Eager autograd over a "mean" or "sum" loss in bf16 / fp32 on the launch layer's paths, with rows to take."""
+def _training_form_applies(reduction, x2d, weight, bias) -> bool:
+    """A "mean" or "sum" loss in bf16 / fp32 that autograd records, on the launch layer's paths, with rows to take:
+    eagerly through :class:`_TrainingForm`, in a graph torch.compile traces through its op, so a compiled step
+    makes the logits once, as an eager one does."""
     return (reduction != "none" and x2d.dtype in TRAINING_DTYPES and x2d.shape[0] > 0 and x2d.shape[1] > 0
-            and grad_needed(x2d, weight, bias) and _dispatch.eager_autograd(x2d, weight, bias, t1d)
-            and runtime.execution_path(x2d) != runtime.REFERENCE and switches.gemm.LCE_TRAINING_FORM)
+            and grad_needed(x2d, weight, bias) and runtime.execution_path(x2d) != runtime.REFERENCE
+            and switches.gemm.LCE_TRAINING_FORM)
 
 
 def _training_impl(x2d, weight, bias, target, ignore_index, smoothing, softcap, need_dx, need_dw, need_db):
@@ -213,14 +215,6 @@ def _train_backward(ctx, drows, dlse, ddx, ddw, ddb):
 _lce_train_op.register_autograd(_train_backward, setup_context=_setup_train)
 
 
-def _traced_training_form_applies(reduction, x2d, weight, bias, t1d) -> bool:
-    """A "mean" or "sum" loss in bf16 / fp32 that autograd records outside eager mode (a graph torch.compile
-    traces): the training form through its op, so the compiled step makes the logits once, as eager's does."""
-    return (reduction != "none" and x2d.dtype in TRAINING_DTYPES and x2d.shape[0] > 0 and x2d.shape[1] > 0
-            and grad_needed(x2d, weight, bias) and not _dispatch.eager_autograd(x2d, weight, bias, t1d)
-            and runtime.execution_path(x2d) != runtime.REFERENCE and switches.gemm.LCE_TRAINING_FORM)
-
-
 class _TrainingForm(torch.autograd.Function):
     """The per-row losses and lse, as ``_lce_op``, with the gradients made in the forward
     (``linear_cross_entropy_with_grads``: those of the sum of the kept rows' losses). Only for "mean" and "sum",
@@ -232,9 +226,7 @@ class _TrainingForm(torch.autograd.Function):
     def forward(ctx, x2d, weight, bias, target, ignore_index, smoothing, softcap):
         needs = ctx.needs_input_grad
         need = (needs[0], needs[1], bias is not None and needs[2])
-        with _dispatch.on_device(x2d):
-            rows, lse, *grads = _gemm_launch().linear_cross_entropy_with_grads(
-                x2d, weight, bias, target, ignore_index, smoothing, softcap, *need, runtime.execution_path(x2d))
+        rows, lse, *grads = _training_impl(x2d, weight, bias, target, ignore_index, smoothing, softcap, *need)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x2d, weight, bias, target, lse)
@@ -341,11 +333,12 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     args = (x2d, weight, bias, t1d, int(ignore_index), float(label_smoothing), softcap)
     if _dispatch.direct(x2d, weight, bias, t1d):
         rows, lse = _rows_impl(*args)
-    elif _training_form_applies(reduction, x2d, weight, bias, t1d):
-        rows, lse = _TrainingForm.apply(*args)
-    elif _traced_training_form_applies(reduction, x2d, weight, bias, t1d):
-        need = (x2d.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-        rows, lse = _lce_train_op(*args, *need)[:2]
+    elif _training_form_applies(reduction, x2d, weight, bias):
+        if _dispatch.eager_autograd(x2d, weight, bias, t1d):
+            rows, lse = _TrainingForm.apply(*args)
+        else:
+            need = (x2d.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+            rows, lse = _lce_train_op(*args, *need)[:2]
     else:
         rows, lse = _lce_call(*args)
     if reduction == "none":
