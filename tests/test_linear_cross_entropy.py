@@ -104,6 +104,17 @@ def test_a_compiled_training_step_takes_the_training_form(device, reduction, bia
         assert_close(got.grad, exp.grad, BOUND, f"compiled training form {name}")
 
 
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (True, False, False)],
+                         ids=["all", "dw", "dx"])
+def test_the_training_op_passes_opcheck(device, needs):
+    """torch.library.opcheck of ``tilefuse::linear_cross_entropy_train`` (schema, fake tensors against the real
+    outputs, the autograd formula, AOT dispatch): what a compiled training step relies on."""
+    x, w, t = _inputs(device, seed=10)
+    b = (torch.randn(V, generator=torch.Generator().manual_seed(11)) / 4).to(device, DTYPE)
+    leaves = [u.clone().requires_grad_(need) for u, need in zip((x, w, b), needs)]
+    torch.library.opcheck(torch.ops.tilefuse.linear_cross_entropy_train, (*leaves, t, -100, 0.1, None, *needs))
+
+
 def test_the_default_target_check_keeps_a_compiled_graph_whole(device):
     """check_targets=True (the default) under torch.compile(fullgraph=True): no graph break, the loss as
     eager's, and a bad target still refused (an assertion in the graph; on a CPU it raises at once)."""
