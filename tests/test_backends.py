@@ -440,6 +440,28 @@ def test_a_call_with_one_allowed_candidate_builds_no_key_and_times_nothing(fake_
     assert sorted(fake_gpu["benched"]) == ["cudnn", "tilefuse", "torch"]
 
 
+def test_a_switch_away_from_its_default_keys_a_choice_of_its_own(fake_gpu):
+    """A choice measured with the switches at their defaults is not the answer once a switch changes which of
+    tilefuse's kernels runs: the fast path keys the choice by the switches away from their defaults too, and
+    back at the defaults the first answer stands without timing anything."""
+    from tilefuse.kernels import fastpath, switches
+
+    c = _choice("test_switch_keyed")
+    key = lambda: tuning.ChoiceKey(N=5, dtype=torch.bfloat16)  # noqa: E731
+    fake_gpu["times"] = {"tilefuse": 0.2, "torch": 0.1, "cudnn": 0.3}
+    assert fastpath.run_chosen(c, "auto", c.candidates, key, torch.device("cuda"), lambda n: n) == "torch"
+    assert len(fake_gpu["benched"]) == 3
+    fake_gpu["times"] = {"tilefuse": 0.05, "torch": 0.1, "cudnn": 0.3}
+    with switches.overridden(switches.gemm, COOP_BACKWARD=False):
+        assert switches.non_default() == "gemm.COOP_BACKWARD=False"
+        assert fastpath.run_chosen(c, "auto", c.candidates, key, torch.device("cuda"), lambda n: n) == "tilefuse"
+    assert len(fake_gpu["benched"]) == 6
+    assert sorted(c.records) == ["N=5 dtypes=bfloat16", "N=5 switches='gemm.COOP_BACKWARD=False' dtypes=bfloat16"]
+    assert switches.non_default() == ""
+    assert fastpath.run_chosen(c, "auto", c.candidates, key, torch.device("cuda"), lambda n: n) == "torch"
+    assert len(fake_gpu["benched"]) == 6
+
+
 def test_a_close_call_is_timed_again_in_the_reverse_order(fake_gpu):
     """Candidates within CLOSE_CALL of the fastest are timed a second time, the last first, each keeping its
     faster median: a first round that drifted (tilefuse's 0.30 against torch's 0.29, then 0.26 and 0.31) is

@@ -107,11 +107,21 @@ def run_chosen(choice, mode: str, available: tuple, key, device, run):
     allowed = choice.allowed(mode, available)
     if len(allowed) == 1:
         return run(allowed[0])
-    candidate = choice.choose(mode, available, key(), device, _as_replayed(run))
+    candidate = choice.choose(mode, available, _with_switches(key()), device, _as_replayed(run))
     capture = getattr(_local, "capture", None)
     if capture is not None:  # a plan made of this call holds until the choice forgets what it answered
         capture.choices.append((choice, choice.generation))
     return run(candidate)
+
+
+def _with_switches(key):
+    """``key`` (a ``tuning.ChoiceKey``) with the switches away from their defaults as one more field: what was
+    measured (or stored) for one setting of the switches is not the answer for another, since the switches decide
+    which of tilefuse's kernels a candidate runs. At the defaults the key is unchanged (the shipped tables' keys)."""
+    changed = switches.non_default()
+    if not changed:
+        return key
+    return type(key)(**dict(key), switches=changed)
 
 
 def _as_replayed(run):

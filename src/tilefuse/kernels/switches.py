@@ -3,7 +3,8 @@
 Each switch's default is the form that measured fastest (or the only one that is deterministic) on the H200;
 benchmarks/NOTES.md has the numbers. Turning one is for comparing forms side by side and for tests that force a
 form. The launch modules read them on every full call, and the host's fast path (kernels/fastpath.py) drops
-every captured plan when any switch changes, so the next call of any op decides afresh.
+every captured plan when any switch changes, so the next call of any op decides afresh; a measured choice between
+tilefuse's kernels and the vendor's is keyed by the switches away from their defaults (:func:`non_default`).
 
 Three ways to set them::
 
@@ -96,6 +97,22 @@ class Switches:
 def _changed() -> None:
     global GENERATION
     GENERATION += 1
+
+
+_NON_DEFAULT = (-1, "")  # (GENERATION, text) of the last non_default() answer
+
+
+def non_default() -> str:
+    """Every switch away from its default as ``family.NAME=value`` joined by commas, "" when all are at their
+    defaults. A measured choice between tilefuse's kernels and the vendor's holds only for the kernels the switches
+    chose, so the fast path adds this to a choice's key (kernels/fastpath.py: ``run_chosen``)."""
+    global _NON_DEFAULT
+    generation, text = _NON_DEFAULT
+    if generation != GENERATION:
+        text = ",".join(f"{row['family']}.{row['name']}={row['value']}" for row in describe()
+                        if row["value"] != row["default"] or type(row["value"]) is not type(row["default"]))
+        _NON_DEFAULT = (GENERATION, text)
+    return text
 
 
 @contextlib.contextmanager
