@@ -3,7 +3,8 @@ linear_cross_entropy (its two training forms: the gradients made in the forward 
 forward with a backward that recomputes the logits) beside eager (F.linear + F.cross_entropy on fp32 logits),
 torch.compile of the eager pair and Liger-Kernel's LigerFusedLinearCrossEntropyLoss (when its wheel is installed), side by side in one run.
 
-Shapes: the Llama-3 head (8192 tokens, K 4096, V 128256) and GPT-2's (8192, 768, 50257), bf16, every 7th
+Shapes: the Llama-3 head (8192 tokens, K 4096, V 128256), the Llama-1B training workload's (8192, 2048, 128256)
+and GPT-2's (8192, 768, 50257), bf16, every 7th
 target ignore_index. Time: triton.testing.do_bench median of one forward + backward (loss.backward(); the
 leaves' .grad reset between calls). Memory: peak of one step above what is allocated before it (x, W, their
 gradients' buffers from a previous step, the targets) -- the issue's "peak above the inputs, weight and its
@@ -20,7 +21,7 @@ import torch
 from tilefuse.kernels import switches
 import torch.nn.functional as F
 
-SHAPES = {"llama3": (8192, 4096, 128256), "gpt2": (8192, 768, 50257)}
+SHAPES = {"llama3": (8192, 4096, 128256), "llama1b": (8192, 2048, 128256), "gpt2": (8192, 768, 50257)}
 
 
 def main() -> int:
