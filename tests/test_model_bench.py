@@ -235,3 +235,48 @@ def test_loss_curves_script_smoke(tmp_path):
     assert m["check"]["verdict"] == "PASS", m["check"]
     assert json.loads(out.read_text())["models"]["gpt2-small"]["check"]["verdict"] == "PASS"
     assert "gpt2-small" in lc.summary_text(result)
+
+
+# ------------------------------------------------------------------------------- benchmarks/model_profile.py
+
+def _model_profile():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "model_profile.py"
+    spec = importlib.util.spec_from_file_location("model_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_model_profile_reads_a_device_timeline():
+    """The GPU analysis on a made-up timeline (µs): two marked steps, kernels on two streams overlapping in step 0,
+    one kernel outside any step. Busy time counts an overlap once; gaps lie between merged kernels; families
+    follow the kernel names."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    mp = _model_profile()
+
+    def event(name, start, end, device):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [event(mp.STEP_MARK, 0, 100, cpu), event(mp.STEP_MARK, 200, 260, cpu),
+              event("nvjet_tst_128x256_gemm", 10, 40, gpu), event("triton_per_fused_native_layer_norm", 30, 50, gpu),
+              event("_attention_forward_kernel", 70, 90, gpu),
+              event("nvjet_tst_128x256_gemm", 210, 230, gpu), event("multi_tensor_apply_kernel", 240, 250, gpu),
+              event("Memcpy HtoD", 500, 510, gpu), event(mp.STEP_MARK, 0, 100, gpu)]
+    r = mp.analyse_gpu(events, steps=2, wall_s=0.0001)  # 100 µs a step unprofiled
+    assert r["steps_profiled"] == 2 and r["kernels_outside_steps"] == 1 and r["kernels_per_step"] == 2.5
+    assert r["gpu_busy_ms_per_step"] == pytest.approx((60 + 30) / 2 / 1e3)  # step 0: 10-50 and 70-90; step 1: 30
+    assert r["host_gap_ms_per_step"] == pytest.approx(0.1 - 0.045)
+    assert r["profiled_idle_ms_per_step"] == pytest.approx(((100 - 60) + (60 - 30)) / 2 / 1e3)
+    assert r["lead_in_us_per_step"] == [10, 10]
+    assert [(g["us"], g["after"], g["before"]) for g in r["largest_gaps"]] == [
+        (20, "triton_per_fused_native_layer_norm", "_attention_forward_kernel"),
+        (10, "nvjet_tst_128x256_gemm", "multi_tensor_apply_kernel")]
+    fam = r["family_ms_per_step"]
+    assert fam["gemm/matmul"] == pytest.approx(0.025) and fam["norm"] == pytest.approx(0.01)
+    assert fam["attention"] == pytest.approx(0.01) and fam["optimizer"] == pytest.approx(0.005)
+    assert fam["copy/memcpy"] == pytest.approx(0.005)
+    assert r["top_kernels"][0] == {"name": "nvjet_tst_128x256_gemm", "family": "gemm/matmul", "ms_per_step": 0.025,
+                                   "calls_per_step": 1.0}
