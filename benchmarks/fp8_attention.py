@@ -2,6 +2,7 @@
 
     python benchmarks/fp8_attention.py bench [--kernel portable|ws|auto]   # speed, JSON lines to stdout
     python benchmarks/fp8_attention.py accuracy                              # rel-L2 vs float64
+    python benchmarks/fp8_attention.py prepass                               # the bf16-input pre-pass, GB/s
 
 bench: d 128, (B, H, N) = (4, 16, 4096) and (1, 16, 16384), causal and full: tilefuse bf16 (its default
 launch), FP8 from e4m3 inputs (quantized beforehand, as an FP8 pipeline hands them over), FP8 from bf16
@@ -47,7 +48,6 @@ def _rel(a, b):
 
 
 def bench(kernel: str):
-    from tilefuse.kernels.attention import launch
     for B, H, N in SHAPES:
         for causal in (True, False):
             q, k, v = _inputs(B, H, N)
@@ -108,11 +108,35 @@ def sweep():
         switches.attention.FP8_KERNEL, launch.FP8_CONFIG = old
 
 
+def prepass():
+    """The bf16-input pre-pass piece by piece at the bench shapes: quantize_qkv whole, Q's block pass (rotated and
+    not) and V's two-kernel channel pass, each against its minimum bytes (2 read + 1 written per element) and a
+    copy of the same tensor (torch's clone: 2 + 2) as the run's bandwidth ceiling."""
+    from tilefuse import runtime
+    from tilefuse.kernels.attention import launch
+    from tilefuse.reference import fp8_attention as ref
+    path = runtime.execution_path(torch.empty(1, device="cuda"))
+    for B, H, N in SHAPES:
+        q, k, v = _inputs(B, H, N)
+        rot = ref.hadamard_signs(D, q.device)
+        rows = {"quantize_qkv (rotated)": (lambda: tilefuse.quantize_qkv(q, k, v, rotate=True), 3),
+                "q blocks, rotated": (lambda: launch.quantize_blocks(q, rot, path), 1),
+                "q blocks": (lambda: launch.quantize_blocks(q, None, path), 1),
+                "v channels, transposed": (lambda: launch.quantize_channels_transposed(v, path), 1),
+                "copy (clone)": (lambda: q.clone(), None)}
+        elems = q.numel()
+        out = {}
+        for name, (fn, tensors) in rows.items():
+            ms = do_bench(fn, warmup=30, rep=200)
+            nbytes = elems * (4 if tensors is None else 3 * tensors)
+            out[name] = dict(ms=round(ms, 4), gbps=round(nbytes / ms / 1e6, 1))
+        print(json.dumps(dict(shape=f"B{B} H{H} N{N} d{D}", rows=out)), flush=True)
+
+
 def check():
     """Both FP8 kernels against the tile-by-tile emulation (reference/fp8_attention.py) on the GPU: ragged
     sizes, GQA, causal, windows, d 64 and 128."""
     from tilefuse.kernels import launches
-    from tilefuse.kernels.attention import launch
     cases = [(2, 4, 2, 1000, 1000, 128, True, None), (1, 8, 8, 4096, 4096, 128, False, None),
              (1, 4, 1, 300, 1024, 64, True, None), (2, 2, 2, 777, 2048, 128, False, (256, 0)),
              (1, 2, 2, 1, 4096, 128, False, None), (1, 2, 1, 512, 1000, 128, False, None)]
@@ -152,7 +176,7 @@ def accuracy():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["bench", "accuracy", "sweep", "check"])
+    parser.add_argument("command", choices=["bench", "accuracy", "sweep", "check", "prepass"])
     parser.add_argument("--kernel", default="auto", choices=["auto", "portable", "ws"])
     args = parser.parse_args()
-    {"accuracy": accuracy, "sweep": sweep, "check": check, "bench": lambda: bench(args.kernel)}[args.command]()
+    {"accuracy": accuracy, "sweep": sweep, "check": check, "prepass": prepass, "bench": lambda: bench(args.kernel)}[args.command]()

@@ -560,3 +560,22 @@ def test_fp8_attention_portable_compiles_to_wgmma():
                                   "stride_ob", "stride_oh", "stride_om"),
                          ones=("stride_qd", "stride_kd", "stride_vn", "stride_od"))
     assert facts["wgmma"] and facts["spill_store_bytes"] == 0, facts
+
+
+@pytest.mark.parametrize("kernel", ["channel_amax_kernel", "quantize_transposed_kernel"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_fp8_value_pass_compiles_without_spills(kernel, d):
+    """The FP8 pre-pass's two V kernels at the launch's [rows, d] block: no spills, the block in registers (the
+    cast's transpose through shared memory within the H200's 227 KB), no 16-bit element loads."""
+    from tilefuse.kernels.attention.launch import QUANT_PART_ROWS, QUANT_TILE_ELEMENTS
+    rows = max(16, min(128, QUANT_TILE_ELEMENTS // d))
+    consts = dict(BLOCK_R=rows, BLOCK_D=d, **({"PART_ROWS": QUANT_PART_ROWS} if kernel != "channel_amax_kernel"
+                                               else {}))
+    cast = kernel == "quantize_transposed_kernel"
+    sig = {"*": "*bf16", "part_ptr": "*fp32", **({"dst_ptr": "*fp8e4nv", "scale_ptr": "*fp32"} if cast else {})}
+    aligned = ("src_ptr", "part_ptr", "stride_sb", "stride_sh", "stride_sn", "D") + (
+        ("dst_ptr", "stride_db", "stride_dh", "stride_dd") if cast else ())
+    facts = compile_sm90("tilefuse.kernels.attention.fp8", kernel, sig, consts, num_warps=8, aligned=aligned,
+                         ones=("stride_sd", "stride_dn") if cast else ("stride_sd",))
+    assert facts["spill_store_bytes"] == 0 and facts["scalar_16bit_loads"] == 0, facts
+    assert facts["shared"] <= 227 * 1024, facts

@@ -1,6 +1,6 @@
 """FP8 (e4m3) attention forward: the quantize pre-pass and the portable kernel.
 
-Quantization (``quantize_blocks_kernel``, ``quantize_channels_kernel``):
+Quantization (``quantize_blocks_kernel``; ``channel_amax_kernel`` then ``quantize_transposed_kernel`` for V):
 - Q and K per block: one fp32 scale per head and per QUANT_BLOCK rows (amax / 448), optionally after an
   orthogonal rotation along d (``ROTATE``: a ±1 Hadamard matrix with random signs, times 1/sqrt(d)). Rotating
   Q and K by the same orthogonal matrix leaves QK^T unchanged and spreads an outlier channel over all d,
@@ -10,8 +10,10 @@ Quantization (``quantize_blocks_kernel``, ``quantize_channels_kernel``):
   column's scale out of the sum exactly, so the kernel applies it once to the output.
   V is written transposed ([d, N] per head, keys contiguous): Hopper's FP8 wgmma reads its B operand
   K-major only, and for P @ V the reduction runs over keys.
-One read of the 16-bit tensor and a write of half its bytes (+ the scales). Each program holds one
-[QUANT_BLOCK, d] block (Q, K) or [*, CHANNEL_BLOCK] column strip walked over N twice (V: amax, then cast).
+Q and K: one read of the 16-bit tensor and a write of half its bytes (+ the scales), a program per
+[QUANT_BLOCK, d] block. V: a column's scale needs all N rows, so two passes over [rows, d] blocks, a program
+each: the blocks' column amaxes into a small fp32 buffer, then (every program reducing those for its head) the
+cast, transposed on chip; V is read twice, at as many programs as Q's pass has.
 
 Forward (``attention_fp8_fwd_kernel``): FlashAttention's online softmax over e4m3 Q, K, V^T. The scores'
 scale is sm_scale * log2(e) * q_scale(block) * k_scale(tile), one multiply per score as in the 16-bit
@@ -86,33 +88,58 @@ def quantize_blocks_kernel(src_ptr, dst_ptr, scale_ptr, rot_ptr, H, N, D,
 
 
 @triton.jit(do_not_specialize=["H", "N", "D"])
-def quantize_channels_kernel(src_ptr, dst_ptr, scale_ptr, H, N, D,
-                             stride_sb, stride_sh, stride_sn, stride_sd,
-                             stride_db, stride_dh, stride_dn, stride_dd,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """src [B, H, N, D] -> dst e4m3 (dst's strides; V^T: stride_dn 1) and scale fp32 [B, H, D] contiguous, one
-    scale per column over all N rows; program (column strip, b * H + h): an amax pass, then the cast."""
-    strip = tl.program_id(0)
+def channel_amax_kernel(src_ptr, part_ptr, H, N, D, stride_sb, stride_sh, stride_sn, stride_sd,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The V pass's first half: src [B, H, N, D] -> part fp32 [B * H, cdiv(N, BLOCK_R), D], each column's amax
+    over one block of BLOCK_R rows; program (row block, b * H + h)."""
+    blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    offs_c = strip * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = offs_c < D
-    src = src_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + offs_c[None, :] * stride_sd
-    dst = dst_ptr + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_c[None, :] * stride_dd
-    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_R):
-        offs_n = n0 + tl.arange(0, BLOCK_R)
-        mask = (offs_n < N)[:, None] & mask_c[None, :]
-        x = tl.load(src + offs_n.to(tl.int64)[:, None] * stride_sn, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(_magnitude(x), 0))
+    offs_n = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    src = (src_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+           + offs_n.to(tl.int64)[:, None] * stride_sn + offs_d[None, :] * stride_sd)
+    x = tl.load(src, mask=(offs_n < N)[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    part = part_ptr + (bh.to(tl.int64) * tl.num_programs(0) + blk) * D
+    tl.store(part + offs_d, tl.max(_magnitude(x), 0), mask=mask_d)
+
+
+@triton.jit(do_not_specialize=["H", "N", "D", "BLOCKS"])
+def quantize_transposed_kernel(src_ptr, part_ptr, dst_ptr, scale_ptr, H, N, D, BLOCKS,
+                               stride_sb, stride_sh, stride_sn, stride_sd,
+                               stride_db, stride_dh, stride_dn, stride_dd,
+                               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PART_ROWS: tl.constexpr):
+    """The V pass's second half: each column's scale from the BLOCKS partial amaxes (channel_amax_kernel's part),
+    then one [BLOCK_R, D] block of src cast to e4m3 and stored transposed (dst [B, H, N, D] with its strides; V^T:
+    stride_dn 1, so a [D, BLOCK_R] tile of keys-contiguous rows); scale fp32 [B, H, D] contiguous, written by the
+    first row block. Program (row block, b * H + h)."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    part = part_ptr + bh.to(tl.int64) * BLOCKS * D
+    amax = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for p0 in range(0, BLOCKS, PART_ROWS):
+        offs_p = p0 + tl.arange(0, PART_ROWS)
+        chunk = tl.load(part + offs_p[:, None] * D + offs_d[None, :],
+                        mask=(offs_p < BLOCKS)[:, None] & mask_d[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(chunk, 0))
     scale = _scale_of(amax)
-    for n0 in range(0, N, BLOCK_R):
-        offs_n = n0 + tl.arange(0, BLOCK_R)
-        mask = (offs_n < N)[:, None] & mask_c[None, :]
-        x = tl.load(src + offs_n.to(tl.int64)[:, None] * stride_sn, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst + offs_n.to(tl.int64)[:, None] * stride_dn, (x / scale[None, :]).to(tl.float8e4nv), mask=mask)
-    tl.store(scale_ptr + bh.to(tl.int64) * D + offs_c, scale, mask=mask_c)
+    offs_n = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = (offs_n < N)[:, None] & mask_d[None, :]
+    src = (src_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+           + offs_n.to(tl.int64)[:, None] * stride_sn + offs_d[None, :] * stride_sd)
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    y = tl.trans((x / scale[None, :]).to(tl.float8e4nv))  # [BLOCK_D, BLOCK_R]
+    dst = (dst_ptr + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+           + offs_d[:, None] * stride_dd + offs_n.to(tl.int64)[None, :] * stride_dn)
+    tl.store(dst, y, mask=tl.trans(mask))
+    if blk == 0:
+        tl.store(scale_ptr + bh.to(tl.int64) * D + offs_d, scale, mask=mask_d)
 
 
 @triton.jit

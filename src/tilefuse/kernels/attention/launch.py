@@ -825,7 +825,9 @@ def _block_sparse_backward(dout, q, k, v, out, lse, dlse, mask_tensors, block_q,
 # FP8_DESCRIPTORS the portable kernel's loads. The portable FP8 kernel's tiles: BLOCK_M and BLOCK_N divide fp8.QUANT_BLOCK (one scale per tile).
 FP8_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 FP8_INTERPRETER_CONFIG = dict(BLOCK_M=64, BLOCK_N=64)
-QUANT_INTERPRETER_ROWS = 64  # the V pass's row chunk in the interpreter (its cost is per program)
+QUANT_INTERPRETER_ROWS = 64  # the V pass's rows per program in the interpreter (its cost is per program)
+QUANT_TILE_ELEMENTS = 16384  # the V pass's [rows, d] block on a GPU: 128 rows up to d 128, fewer past it
+QUANT_PART_ROWS = 32  # partial amaxes reduced per step by the V pass's cast programs
 
 
 def quantize_blocks(t: torch.Tensor, rotation, path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -844,16 +846,22 @@ def quantize_blocks(t: torch.Tensor, rotation, path) -> tuple[torch.Tensor, torc
 
 def quantize_channels_transposed(t: torch.Tensor, path) -> tuple[torch.Tensor, torch.Tensor]:
     """t [B, H, N, d] -> (e4m3 [B, H, N, d] view of a contiguous [B, H, d, N] buffer (keys contiguous, the
-    layout FP8 wgmma reads for P @ V), fp32 per-channel scales [B, H, d])."""
+    layout FP8 wgmma reads for P @ V), fp32 per-channel scales [B, H, d]): the column amaxes per row block,
+    then the cast per row block (fp8.channel_amax_kernel, fp8.quantize_transposed_kernel)."""
     B, H, N, d = t.shape
     dst = torch.empty((B, H, d, N), dtype=torch.float8_e4m3fn, device=t.device).transpose(2, 3)
     scales = torch.empty((B, H, d), dtype=torch.float32, device=t.device)
-    block_c = 32 if d > 32 else max(16, next_pow2(d))
+    block_d = max(16, next_pow2(d))
     interpret = path == runtime.INTERPRETER
-    fastpath.launch(fp8.quantize_channels_kernel, (cdiv(d, block_c), B * H), (
-        t, dst, scales, H, N, d, *t.stride(), *dst.stride()),
-        dict(BLOCK_R=QUANT_INTERPRETER_ROWS if interpret else 256, BLOCK_C=block_c,
-             **({} if interpret else dict(num_warps=8))))
+    rows = QUANT_INTERPRETER_ROWS if interpret else max(16, min(128, QUANT_TILE_ELEMENTS // block_d))
+    blocks = cdiv(N, rows)
+    partial = torch.empty((B * H, blocks, d), dtype=torch.float32, device=t.device)
+    warps = {} if interpret else dict(num_warps=8)
+    fastpath.launch(fp8.channel_amax_kernel, (blocks, B * H), (t, partial, H, N, d, *t.stride()),
+                    dict(BLOCK_R=rows, BLOCK_D=block_d, **warps))
+    fastpath.launch(fp8.quantize_transposed_kernel, (blocks, B * H), (
+        t, partial, dst, scales, H, N, d, blocks, *t.stride(), *dst.stride()),
+        dict(BLOCK_R=rows, BLOCK_D=block_d, PART_ROWS=QUANT_PART_ROWS, **warps))
     return dst, scales
 
 
