@@ -203,12 +203,17 @@ def test_liger_does_not_apply_to_gpt2(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- benchmarks/loss_curves.py
 
-def _loss_curves():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "loss_curves.py"
-    spec = importlib.util.spec_from_file_location("loss_curves", path)
+def _benchmark_script(name):
+    """benchmarks/<name>.py loaded as a module."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _loss_curves():
+    return _benchmark_script("loss_curves")
 
 
 def test_loss_curves_verdict_takes_the_wider_band():
@@ -239,14 +244,6 @@ def test_loss_curves_script_smoke(tmp_path):
 
 # ------------------------------------------------------------------------------- benchmarks/model_profile.py
 
-def _model_profile():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "model_profile.py"
-    spec = importlib.util.spec_from_file_location("model_profile", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_model_profile_reads_a_device_timeline():
     """The GPU analysis on a made-up timeline (µs): two marked steps, kernels on two streams overlapping in step 0,
     one kernel outside any step. Busy time counts an overlap once; gaps lie between merged kernels; families
@@ -255,7 +252,7 @@ def test_model_profile_reads_a_device_timeline():
 
     from torch.autograd import DeviceType
 
-    mp = _model_profile()
+    mp = _benchmark_script("model_profile")
 
     def event(name, start, end, device):
         return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
