@@ -29,18 +29,11 @@ import triton.language as tl
 
 from tilefuse.kernels import cache_keys
 from tilefuse.kernels.activations import tanh
-from tilefuse.kernels.attention.common import key_tile_ranges, score_modifiers, varlen_sequence
+from tilefuse.kernels.attention.common import head_tile_ptrs, key_tile_ranges, score_modifiers, varlen_sequence
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
 MASK_FLOOR = tl.constexpr(-2.3e38)  # as the forward: a finite additive mask stays finite in the log2 domain
-
-
-@triton.jit
-def _tile_ptrs(ptr, b, h, stride_b, stride_h, offs_rows, stride_rows, offs_d, stride_d):
-    """Pointers of a [rows, head dim] tile of head (b, h) in a [B, H, N, d] tensor (64-bit offsets)."""
-    return (ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-            + offs_rows.to(tl.int64)[:, None] * stride_rows + offs_d[None, :] * stride_d)
 
 
 @triton.jit
@@ -66,9 +59,9 @@ def attention_bwd_rowdot_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < N_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(_tile_ptrs(o_ptr, b, h, stride_ob, stride_oh, offs_m, stride_om, offs_d, stride_od), mask=mask,
+    o = tl.load(head_tile_ptrs(o_ptr, b, h, stride_ob, stride_oh, offs_m, stride_om, offs_d, stride_od), mask=mask,
                 other=0.0)
-    do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, offs_m, stride_dom, offs_d, stride_dod), mask=mask,
+    do = tl.load(head_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, offs_m, stride_dom, offs_d, stride_dod), mask=mask,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     rows = pid_bh.to(tl.int64) * N_Q + offs_m
@@ -142,9 +135,9 @@ def attention_bwd_dkdv_kernel(
     mask_n = offs_n < N_K
     mask_d = offs_d < HEAD_DIM
     kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, row0_k + offs_n, stride_kn, offs_d, stride_kd),
+    k = tl.load(head_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, row0_k + offs_n, stride_kn, offs_d, stride_kd),
                 mask=kv_mask, other=0.0)
-    v = tl.load(_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, row0_k + offs_n, stride_vn, offs_d, stride_vd),
+    v = tl.load(head_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, row0_k + offs_n, stride_vn, offs_d, stride_vd),
                 mask=kv_mask, other=0.0)
     op_dtype = k.dtype
     if UPCAST_DOT:
@@ -179,9 +172,9 @@ def attention_bwd_dkdv_kernel(
             offs_m = m0 + offs_m_base
             mask_m = offs_m < N_Q
             qm = mask_m[:, None] & mask_d[None, :]
-            q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, row0_q + offs_m, stride_qm, offs_d, stride_qd),
+            q = tl.load(head_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, row0_q + offs_m, stride_qm, offs_d, stride_qd),
                         mask=qm, other=0.0)
-            do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, row0_q + offs_m, stride_dom, offs_d,
+            do = tl.load(head_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, row0_q + offs_m, stride_dom, offs_d,
                                     stride_dod), mask=qm, other=0.0)
             lse2, delta = _row_terms(lse_ptr, delta_ptr, rows_base + offs_m, mask_m)
             if UPCAST_DOT:
@@ -212,13 +205,13 @@ def attention_bwd_dkdv_kernel(
             dk = tl.dot(ds_op, q, dk, input_precision=INPUT_PRECISION)
             if DQ_ATOMIC:
                 dq_part = tl.dot(tl.trans(ds_op), k, input_precision=INPUT_PRECISION) * scale  # [BLOCK_M, BLOCK_D]
-                tl.atomic_add(_tile_ptrs(dq_acc_ptr, b, h, stride_dqab, stride_dqah, row0_q + offs_m, stride_dqam,
+                tl.atomic_add(head_tile_ptrs(dq_acc_ptr, b, h, stride_dqab, stride_dqah, row0_q + offs_m, stride_dqam,
                                          offs_d, stride_dqad), dq_part, mask=qm)
 
     dk = dk * scale
-    tl.store(_tile_ptrs(dk_ptr, b, h_kv, stride_dkb, stride_dkh, row0_k + offs_n, stride_dkn, offs_d, stride_dkd),
+    tl.store(head_tile_ptrs(dk_ptr, b, h_kv, stride_dkb, stride_dkh, row0_k + offs_n, stride_dkn, offs_d, stride_dkd),
              dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(_tile_ptrs(dv_ptr, b, h_kv, stride_dvb, stride_dvh, row0_k + offs_n, stride_dvn, offs_d, stride_dvd),
+    tl.store(head_tile_ptrs(dv_ptr, b, h_kv, stride_dvb, stride_dvh, row0_k + offs_n, stride_dvn, offs_d, stride_dvd),
              dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
@@ -258,9 +251,9 @@ def attention_bwd_dq_kernel(
     mask_m = offs_m < N_Q
     mask_d = offs_d < HEAD_DIM
     qm = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, row0_q + offs_m, stride_qm, offs_d, stride_qd), mask=qm,
+    q = tl.load(head_tile_ptrs(q_ptr, b, h, stride_qb, stride_qh, row0_q + offs_m, stride_qm, offs_d, stride_qd), mask=qm,
                 other=0.0)
-    do = tl.load(_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, row0_q + offs_m, stride_dom, offs_d, stride_dod),
+    do = tl.load(head_tile_ptrs(do_ptr, b, h, stride_dob, stride_doh, row0_q + offs_m, stride_dom, offs_d, stride_dod),
                  mask=qm, other=0.0)
     op_dtype = q.dtype
     if UPCAST_DOT:
@@ -282,9 +275,9 @@ def attention_bwd_dq_kernel(
         offs_n = n0 + offs_n_base
         mask_n = offs_n < N_K
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, row0_k + offs_n, stride_kn, offs_d, stride_kd),
+        k = tl.load(head_tile_ptrs(k_ptr, b, h_kv, stride_kb, stride_kh, row0_k + offs_n, stride_kn, offs_d, stride_kd),
                     mask=kv_mask, other=0.0)
-        v = tl.load(_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, row0_k + offs_n, stride_vn, offs_d, stride_vd),
+        v = tl.load(head_tile_ptrs(v_ptr, b, h_kv, stride_vb, stride_vh, row0_k + offs_n, stride_vn, offs_d, stride_vd),
                     mask=kv_mask, other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
@@ -303,7 +296,7 @@ def attention_bwd_dq_kernel(
             ds_op = ds_op.to(tl.float32)
         dq = tl.dot(ds_op, k, dq, input_precision=INPUT_PRECISION)
     dq = dq * scale
-    tl.store(_tile_ptrs(dq_ptr, b, h, stride_dqb, stride_dqh, row0_q + offs_m, stride_dqm, offs_d, stride_dqd),
+    tl.store(head_tile_ptrs(dq_ptr, b, h, stride_dqb, stride_dqh, row0_q + offs_m, stride_dqm, offs_d, stride_dqd),
              dq.to(dq_ptr.dtype.element_ty), mask=qm)
 
 

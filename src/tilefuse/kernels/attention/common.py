@@ -9,6 +9,13 @@ import triton.language as tl
 from tilefuse.kernels.activations import tanh
 
 @triton.jit
+def head_tile_ptrs(ptr, b, h, stride_b, stride_h, offs_rows, stride_rows, offs_d, stride_d):
+    """Pointers of a [rows, head dim] tile of head (b, h) in a [B, H, N, d] tensor (64-bit offsets)."""
+    return (ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+            + offs_rows.to(tl.int64)[:, None] * stride_rows + offs_d[None, :] * stride_d)
+
+
+@triton.jit
 def query_block_and_head(N_Q, BLOCK_M: tl.constexpr, FLAT_GRID: tl.constexpr):
     """(query block, b * Hq + h) of this program. Query blocks run in reverse order: with causal masks the
     last blocks carry the most keys, so they start first and the light ones fill the tail of the launch.

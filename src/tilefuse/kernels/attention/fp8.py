@@ -32,7 +32,7 @@ import triton.language as tl
 
 from tilefuse import constants
 from tilefuse.kernels import cache_keys
-from tilefuse.kernels.attention.common import key_tile_ranges, query_block_and_head
+from tilefuse.kernels.attention.common import head_tile_ptrs, key_tile_ranges, query_block_and_head
 
 E4M3_MAX = tl.constexpr(constants.E4M3_MAX)
 QUANT_BLOCK = constants.FP8_ATTENTION_BLOCK  # Q and K rows per scale
@@ -69,8 +69,7 @@ def quantize_blocks_kernel(src_ptr, dst_ptr, scale_ptr, rot_ptr, H, N, D,
     offs_n = blk * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_n < N)[:, None] & (offs_d < D)[None, :]
-    src = (src_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
-           + offs_n.to(tl.int64)[:, None] * stride_sn + offs_d[None, :] * stride_sd)
+    src = head_tile_ptrs(src_ptr, b, h, stride_sb, stride_sh, offs_n, stride_sn, offs_d, stride_sd)
     x = tl.load(src, mask=mask, other=0.0)
     if INTERPRETER:
         x = x.to(tl.float32)
@@ -81,8 +80,7 @@ def quantize_blocks_kernel(src_ptr, dst_ptr, scale_ptr, rot_ptr, H, N, D,
     else:
         x = x.to(tl.float32)
     scale = _scale_of(tl.max(tl.max(_magnitude(x), 1), 0))
-    dst = (dst_ptr + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
-           + offs_n.to(tl.int64)[:, None] * stride_dn + offs_d[None, :] * stride_dd)
+    dst = head_tile_ptrs(dst_ptr, b, h, stride_db, stride_dh, offs_n, stride_dn, offs_d, stride_dd)
     tl.store(dst, (x / scale).to(tl.float8e4nv), mask=mask)
     tl.store(scale_ptr + bh.to(tl.int64) * tl.num_programs(0) + blk, scale)
 
@@ -99,8 +97,7 @@ def channel_amax_kernel(src_ptr, part_ptr, H, N, D, stride_sb, stride_sh, stride
     offs_n = blk * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    src = (src_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
-           + offs_n.to(tl.int64)[:, None] * stride_sn + offs_d[None, :] * stride_sd)
+    src = head_tile_ptrs(src_ptr, b, h, stride_sb, stride_sh, offs_n, stride_sn, offs_d, stride_sd)
     x = tl.load(src, mask=(offs_n < N)[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
     part = part_ptr + (bh.to(tl.int64) * tl.num_programs(0) + blk) * D
     tl.store(part + offs_d, tl.max(_magnitude(x), 0), mask=mask_d)
@@ -131,8 +128,7 @@ def quantize_transposed_kernel(src_ptr, part_ptr, dst_ptr, scale_ptr, H, N, D, B
     scale = _scale_of(amax)
     offs_n = blk * BLOCK_R + tl.arange(0, BLOCK_R)
     mask = (offs_n < N)[:, None] & mask_d[None, :]
-    src = (src_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
-           + offs_n.to(tl.int64)[:, None] * stride_sn + offs_d[None, :] * stride_sd)
+    src = head_tile_ptrs(src_ptr, b, h, stride_sb, stride_sh, offs_n, stride_sn, offs_d, stride_sd)
     x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     y = tl.trans((x / scale[None, :]).to(tl.float8e4nv))  # [BLOCK_D, BLOCK_R]
     dst = (dst_ptr + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
