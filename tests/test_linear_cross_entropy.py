@@ -238,6 +238,18 @@ def test_logits_chunks_rows_apart_by_a_pitch(device, monkeypatch, form):
     assert made == ([(16, 301)] if form == "training" else [(37, 128), (37, 128)]), made
 
 
+def test_padded_logits_are_made_in_a_multiple_of_8_columns_and_the_rest():
+    """cuBLAS runs one-element-access kernels for an odd V as the logits' columns (or dz @ W's inner dimension):
+    a padded chunk is made, and read by the dx GEMM, as its largest multiple of 8 columns and the up to 7 left
+    (the pitch test above runs both parts at V 301 and at the recomputing form's last chunk of 45)."""
+    from tilefuse.kernels.gemm import launch
+
+    assert launch.loss._aligned_part(50257) == ((0, 50256), (50256, 50257))
+    assert launch.loss._aligned_part(45) == ((0, 40), (40, 45))
+    assert launch.loss._aligned_part(128256) == ((0, 128256),)
+    assert launch.loss._aligned_part(5) == ((0, 5),)
+
+
 def test_the_training_form_shares_the_tokens_evenly_among_its_chunks():
     """As few token chunks as LCE_TRAINING_CHUNK_BYTES allows, the tokens shared evenly (multiples of 16 rows): at
     the Llama-3 head 8 chunks of 1024 (the budget's 1040 rows would leave a last chunk of 912), at GPT-2's 4 of

@@ -98,7 +98,7 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
             z, t_c, lse[m0:m0 + m], u_c, m, V, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing), 1.0),
             dict(HAS_SOFTCAP=softcap is not None, **grad))
         if need_dx:
-            torch.mm(z, w, out=dx[m0:m0 + m])
+            _logit_rows_product(z, w, dx[m0:m0 + m], buf is not None)
         if need_dw:  # beta 0 on the first chunk: dW's uninitialised memory is not read
             dw.addmm_(z.t(), x_c, beta=0.0 if m0 == 0 else 1.0)
         if need_db:
@@ -133,12 +133,48 @@ def _logits_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | N
 
 def _chunk_logits(x2d, w, b, v0: int, vc: int, buf: torch.Tensor | None) -> torch.Tensor:
     """x2d @ W[v0:v0 + vc]^T (+ b's chunk) by cuBLAS: one vocabulary chunk's logits [M, <= vc] in x's dtype, in
-    ``buf`` (:func:`_logits_buffer`, a view whose rows are its pitch apart) when there is one."""
-    w_c = w[v0:v0 + vc].t()
+    ``buf`` (:func:`_logits_buffer`, a view whose rows are its pitch apart) when there is one. There the columns
+    come from two GEMMs, a multiple of 8 of them and the up to 7 left (:func:`_aligned_part`)."""
+    w_c = w[v0:v0 + vc]
     if buf is None:
-        return torch.mm(x2d, w_c) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c)
-    z = buf[:x2d.shape[0], :w_c.shape[1]]
-    return torch.mm(x2d, w_c, out=z) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c, out=z)
+        return torch.mm(x2d, w_c.t()) if b is None else torch.addmm(b[v0:v0 + vc], x2d, w_c.t())
+    n = w_c.shape[0]
+    z = buf[:x2d.shape[0], :n]
+    for c0, c1 in _aligned_part(n):
+        out = z[:, c0:c1]
+        if b is None:
+            torch.mm(x2d, w_c[c0:c1].t(), out=out)
+        else:
+            torch.addmm(b[v0 + c0:v0 + c1], x2d, w_c[c0:c1].t(), out=out)
+    return z
+
+
+def _aligned_part(n: int) -> tuple[tuple[int, int], ...]:
+    """The column ranges a padded chunk of ``n`` logits is made and read in: [0, n8) and [n8, n), n8 the largest
+    multiple of 8 (one range where n is one already, or below 8). cuBLAS picks its tensor-core kernels by the
+    problem's dimensions as well as the rows' alignment: an odd V (GPT-2's 50257) as the logits' columns, or as
+    the inner dimension of dz @ W, sends the whole GEMM to a kernel with one-element accesses, several times
+    slower (the Hopper profile in benchmarks/NOTES.md); the up to 7 columns left cost a skinny GEMM."""
+    n8 = n - n % 8
+    return ((0, n),) if n8 in (0, n) else ((0, n8), (n8, n))
+
+
+def _logit_rows_product(z: torch.Tensor, w_c: torch.Tensor, out: torch.Tensor | None, padded: bool,
+                        alpha: float = 1.0) -> torch.Tensor:
+    """alpha * z @ w_c for a logits chunk z [M, n] and its rows of W [n, K] (alpha inside the GEMMs, before
+    their fp32 sums are rounded to z's dtype): into ``out`` when given, else a new tensor. A padded chunk's
+    inner dimension is cut as its columns were made (:func:`_aligned_part`), the second product accumulated onto
+    the first."""
+    parts = _aligned_part(z.shape[1]) if padded else ((0, z.shape[1]),)
+    (c0, c1), rest = parts[0], parts[1:]
+    if out is None:
+        y = torch.addmm(z.new_zeros(()), z[:, c0:c1], w_c[c0:c1], beta=0, alpha=alpha)
+    else:
+        y = torch.mm(z[:, c0:c1], w_c[c0:c1], out=out) if alpha == 1.0 else torch.addmm(
+            out, z[:, c0:c1], w_c[c0:c1], beta=0, alpha=alpha, out=out)
+    for c0, c1 in rest:
+        y.addmm_(z[:, c0:c1], w_c[c0:c1], alpha=alpha)
+    return y
 
 
 def lce_vocab_chunk(M: int, V: int, element_size: int) -> int:
@@ -186,9 +222,9 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
                 dw_c.mul_(c)
         if need_dx:
             if scaled:
-                dx.addcmul_(torch.addmm(z.new_zeros(()), z, w_c, beta=0, alpha=alpha), c)
+                dx.addcmul_(_logit_rows_product(z, w_c, None, buf is not None, alpha), c)
             else:
-                dx += torch.mm(z, w_c)
+                dx += _logit_rows_product(z, w_c, None, buf is not None)
         if need_db:
             db[v0:v0 + n] = z.sum(0, dtype=torch.float32) * (c * alpha if scaled else 1.0)
     launches.record("linear_cross_entropy_backward", path, f"{cdiv(V, vc)} vocabulary chunks of {vc}: logits "
