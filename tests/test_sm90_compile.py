@@ -562,6 +562,23 @@ def test_fp8_attention_portable_compiles_to_wgmma():
     assert facts["wgmma"] and facts["spill_store_bytes"] == 0, facts
 
 
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_block_pass_loads_and_stores_16_bytes_at_a_time(rotate, d):
+    """The FP8 pre-pass's Q and K kernel at a launch's specialization (the head dim a multiple of 16, unit
+    inner strides): its bf16 tile loads and its e4m3 stores vectorized, no spills. A head dim left
+    unspecialized made the head-dim mask opaque and every access one element (64 b16 loads and 64 byte stores
+    a thread at d 128)."""
+    sig = {"*": "*bf16", "dst_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "rot_ptr": "*bf16"}
+    aligned = ("src_ptr", "dst_ptr", "scale_ptr", "rot_ptr", "D", "stride_sb", "stride_sh", "stride_sn",
+               "stride_db", "stride_dh", "stride_dn")
+    facts = compile_sm90("tilefuse.kernels.attention.fp8", "quantize_blocks_kernel", sig,
+                         dict(ROTATE=rotate, INTERPRETER=False, BLOCK_R=128, BLOCK_D=d), num_warps=8,
+                         aligned=aligned, ones=("stride_sd", "stride_dd"))
+    assert facts["spill_store_bytes"] == 0, facts
+    assert facts["scalar_16bit_loads"] == 0 and facts["byte_stores"] == 0, facts
+
+
 @pytest.mark.parametrize("kernel", ["channel_amax_kernel", "quantize_transposed_kernel"])
 @pytest.mark.parametrize("d", [128, 256])
 def test_fp8_value_pass_compiles_without_spills(kernel, d):

@@ -31,7 +31,8 @@ def compile_sm90(module: str, kernel: str, signature: dict | str, constexprs: di
     with key "*" for the default, e.g. {"*": "*fp16", "ws_ptr": "*fp32"}). ``constexprs``: arg name -> value. Returns regs, spill_store_bytes, shared bytes, wgmma (bool), wgmma_a_in_registers (bool) and the PTX atomics used. Under
     TRITON_INTERPRET=1 kernels are interpreter objects that cannot compile, so the work then runs in a
     child process without it. ``aligned``: runtime argument names to compile as multiples of 16 (as
-    Triton specializes aligned pointers and strides at launch); without them loads are not vectorized
+    Triton specializes aligned pointers and strides at launch; ignored for the kernel's ``do_not_specialize``
+    arguments, which a launch leaves unspecialized); without them loads are not vectorized
     and loops are not pipelined, so shared memory is under-counted for typical shapes. ``maxnreg``: the
     config's register cap, if it has one. ``ones``: runtime integer arguments a launch may pass as 1: Triton's
     launcher turns those into constexpr 1 unless the kernel lists them in ``do_not_specialize``, so they
@@ -61,6 +62,8 @@ def _compile_here(fn, signature, constexprs, num_warps, num_stages, aligned=(), 
         sig = dict(signature)
     pinned = {p.name for p in fn.params if p.do_not_specialize}
     constexprs = {**constexprs, **{name: 1 for name in ones if name not in pinned}}
+    # A launch specializes neither the value 1 nor the 16-divisibility of a do_not_specialize argument.
+    aligned = tuple(name for name in aligned if name not in pinned)
     for name in constexprs:
         sig.pop(name, None)
     # Constexpr parameters left out take their defaults, as a launch binds them (else they compile as None).
@@ -107,6 +110,8 @@ def _facts(kernel) -> dict:
             "atomics": sorted(set(re.findall(r"\batom\.[\w.:]+", ptx))),
             # Global loads one 16-bit element at a time (a tile load the compiler could not vectorize).
             "scalar_16bit_loads": len(re.findall(r"\bld\.global(?:\.\w+)*\.b16\b", ptx)),
+            # Global stores one byte at a time (an 8-bit tile store the compiler could not vectorize).
+            "byte_stores": len(re.findall(r"\bst\.global(?:\.\w+)*\.b8\b", ptx)),
             # Warp specialization: partitions in the TTGIR, and the register moves between them.
             "warp_specialized": "ttg.warp_specialize" in ttgir,
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),

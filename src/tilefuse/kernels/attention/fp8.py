@@ -52,7 +52,7 @@ def _magnitude(x):
     return tl.where(x == x, tl.abs(x), 0.0)
 
 
-@triton.jit(do_not_specialize=["H", "N", "D"])
+@triton.jit(do_not_specialize=["H", "N"])
 def quantize_blocks_kernel(src_ptr, dst_ptr, scale_ptr, rot_ptr, H, N, D,
                            stride_sb, stride_sh, stride_sn, stride_sd,
                            stride_db, stride_dh, stride_dn, stride_dd,
@@ -85,7 +85,7 @@ def quantize_blocks_kernel(src_ptr, dst_ptr, scale_ptr, rot_ptr, H, N, D,
     tl.store(scale_ptr + bh.to(tl.int64) * tl.num_programs(0) + blk, scale)
 
 
-@triton.jit(do_not_specialize=["H", "N", "D"])
+@triton.jit(do_not_specialize=["H", "N"])
 def channel_amax_kernel(src_ptr, part_ptr, H, N, D, stride_sb, stride_sh, stride_sn, stride_sd,
                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """The V pass's first half: src [B, H, N, D] -> part fp32 [B * H, cdiv(N, BLOCK_R), D], each column's amax
@@ -103,7 +103,7 @@ def channel_amax_kernel(src_ptr, part_ptr, H, N, D, stride_sb, stride_sh, stride
     tl.store(part + offs_d, tl.max(_magnitude(x), 0), mask=mask_d)
 
 
-@triton.jit(do_not_specialize=["H", "N", "D", "BLOCKS"])
+@triton.jit(do_not_specialize=["H", "N", "BLOCKS"])
 def quantize_transposed_kernel(src_ptr, part_ptr, dst_ptr, scale_ptr, H, N, D, BLOCKS,
                                stride_sb, stride_sh, stride_sn, stride_sd,
                                stride_db, stride_dh, stride_dn, stride_dd,
