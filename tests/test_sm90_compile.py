@@ -583,7 +583,7 @@ def test_fp8_block_pass_loads_and_stores_16_bytes_at_a_time(rotate, d):
 @pytest.mark.parametrize("d", [128, 256])
 def test_fp8_value_pass_compiles_without_spills(kernel, d):
     """The FP8 pre-pass's two V kernels at the launch's [rows, d] block: no spills, the block in registers (the
-    cast's transpose through shared memory within the H200's 227 KB), no 16-bit element loads."""
+    cast's transpose through shared memory within the H200's 227 KB), no 16-bit element loads, no byte stores."""
     from tilefuse.kernels.attention.launch import QUANT_PART_ROWS, QUANT_TILE_ELEMENTS
     rows = max(16, min(128, QUANT_TILE_ELEMENTS // d))
     consts = dict(BLOCK_R=rows, BLOCK_D=d, **({"PART_ROWS": QUANT_PART_ROWS} if kernel != "channel_amax_kernel"
@@ -591,8 +591,11 @@ def test_fp8_value_pass_compiles_without_spills(kernel, d):
     cast = kernel == "quantize_transposed_kernel"
     sig = {"*": "*bf16", "part_ptr": "*fp32", **({"dst_ptr": "*fp8e4nv", "scale_ptr": "*fp32"} if cast else {})}
     aligned = ("src_ptr", "part_ptr", "stride_sb", "stride_sh", "stride_sn", "D") + (
-        ("dst_ptr", "stride_db", "stride_dh", "stride_dd") if cast else ())
+        ("dst_ptr", "stride_db", "stride_dh", "stride_dd", "N") if cast else ())
     facts = compile_sm90("tilefuse.kernels.attention.fp8", kernel, sig, consts, num_warps=8, aligned=aligned,
                          ones=("stride_sd", "stride_dn") if cast else ("stride_sd",))
     assert facts["spill_store_bytes"] == 0 and facts["scalar_16bit_loads"] == 0, facts
     assert facts["shared"] <= 227 * 1024, facts
+    # The transposed e4m3 store runs along the keys: 16 bytes at a time where N is a multiple of 16 (the FP8
+    # kernels' TMA needs that of V^T anyway); an unspecialized N made it one byte at a time.
+    assert facts["byte_stores"] == 0, facts

@@ -103,7 +103,7 @@ def channel_amax_kernel(src_ptr, part_ptr, H, N, D, stride_sb, stride_sh, stride
     tl.store(part + offs_d, tl.max(_magnitude(x), 0), mask=mask_d)
 
 
-@triton.jit(do_not_specialize=["H", "N", "BLOCKS"])
+@triton.jit(do_not_specialize=["H", "BLOCKS"])
 def quantize_transposed_kernel(src_ptr, part_ptr, dst_ptr, scale_ptr, H, N, D, BLOCKS,
                                stride_sb, stride_sh, stride_sn, stride_sd,
                                stride_db, stride_dh, stride_dn, stride_dd,
