@@ -96,6 +96,7 @@ def test_quantize_matches_reference(rotate):
         assert moved <= (1e-3 if rotate else 0.0)
     v8, vs = ref_fp8.quantize_channels(v)
     assert r.v.dtype == FP8 and r.v.stride(2) == 1 and r.v.shape == v.shape  # keys contiguous
+    assert r.v.stride(3) == 160  # 150 keys a row padded to 16 bytes' multiple: V^T TMA-able (the fast kernel)
     assert torch.equal(r.v.float(), v8.float()) and torch.equal(r.v_scale, vs)
     # Dequantized, the rotation undone, Q comes back within e4m3's step.
     back = r.q.float() * r.q_scale.repeat_interleave(128, 2)[:, :, :200, None]

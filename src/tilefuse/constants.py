@@ -15,3 +15,11 @@ E4M3_MAX = 448.0
 # smallest normal p becomes 2^-14 instead of 2^-6).
 FP8_ATTENTION_BLOCK = 128
 FP8_P_SCALE = 256.0
+
+
+def fp8_v_t_strides(B: int, H: int, d: int, N: int) -> tuple[int, int, int, int]:
+    """Strides of the pre-pass's e4m3 V^T [B, H, d, N]: keys contiguous, each row padded to a multiple of 16 keys
+    (16 bytes), so V^T is TMA-able at any N and the warp-specialized FP8 kernel takes it. The padding is never
+    read: the descriptors' bounds stop at N."""
+    pitch = -(-N // 16) * 16
+    return (H * d * pitch, d * pitch, pitch, 1)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from tilefuse import runtime
+from tilefuse import constants, runtime
 from tilefuse.ops import _dispatch
 from tilefuse.ops._checks import (FLOAT_DTYPES, check_fp8_device, check_kv_heads, check_no_grad_needed, check_qkv,
                                   check_tensor)
@@ -52,7 +52,8 @@ def _quant_outputs(q, k):
     new = q.new_empty
     return (new((B, Hq, Nq, d), dtype=FP8), new((B, Hq, _blocks(Nq)), dtype=torch.float32),
             new((B, Hkv, Nk, d), dtype=FP8), new((B, Hkv, _blocks(Nk)), dtype=torch.float32),
-            new((B, Hkv, d, Nk), dtype=FP8), new((B, Hkv, d), dtype=torch.float32))
+            q.new_empty_strided((B, Hkv, d, Nk), constants.fp8_v_t_strides(B, Hkv, d, Nk), dtype=FP8),
+            new((B, Hkv, d), dtype=torch.float32))
 
 
 @torch.library.custom_op("tilefuse::quantize_qkv_fp8", mutates_args=())
@@ -67,7 +68,10 @@ def _quantize_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q8, qs = ref_fp8.quantize_blocks(q, rotation)
         k8, ks = ref_fp8.quantize_blocks(k, rotation)
         v8, vs = ref_fp8.quantize_channels(v)
-        return q8, qs, k8, ks, v8.transpose(2, 3).contiguous(), vs
+        B, Hkv, Nk, d = v8.shape
+        v_t = torch.empty_strided((B, Hkv, d, Nk), constants.fp8_v_t_strides(B, Hkv, d, Nk), dtype=FP8,
+                                  device=v8.device)
+        return q8, qs, k8, ks, v_t.copy_(v8.transpose(2, 3)), vs
     launch = _launch()
     with _dispatch.on_device(q):
         q8, qs = launch.quantize_blocks(q, rotation, path)

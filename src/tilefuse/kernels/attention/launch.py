@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from tilefuse import runtime, sizes, tuning
+from tilefuse import constants, runtime, sizes, tuning
 from tilefuse.kernels import fastpath, launches, switches
 from tilefuse.kernels.attention import fp8, ws, ws_backward, ws_backward_wide, ws_fp8
 from tilefuse.kernels.attention.common import MAX_GRID_Y, descriptors_usable
@@ -845,11 +845,13 @@ def quantize_blocks(t: torch.Tensor, rotation, path) -> tuple[torch.Tensor, torc
 
 
 def quantize_channels_transposed(t: torch.Tensor, path) -> tuple[torch.Tensor, torch.Tensor]:
-    """t [B, H, N, d] -> (e4m3 [B, H, N, d] view of a contiguous [B, H, d, N] buffer (keys contiguous, the
-    layout FP8 wgmma reads for P @ V), fp32 per-channel scales [B, H, d]): the column amaxes per row block,
+    """t [B, H, N, d] -> (e4m3 [B, H, N, d] view of a [B, H, d, N] buffer (keys contiguous, the layout FP8
+    wgmma reads for P @ V; rows padded to a multiple of 16 keys, so V^T is TMA-able at any N and the
+    warp-specialized kernel takes it), fp32 per-channel scales [B, H, d]): the column amaxes per row block,
     then the cast per row block (fp8.channel_amax_kernel, fp8.quantize_transposed_kernel)."""
     B, H, N, d = t.shape
-    dst = torch.empty((B, H, d, N), dtype=torch.float8_e4m3fn, device=t.device).transpose(2, 3)
+    dst = torch.empty_strided((B, H, d, N), constants.fp8_v_t_strides(B, H, d, N), dtype=torch.float8_e4m3fn,
+                              device=t.device).transpose(2, 3)
     scales = torch.empty((B, H, d), dtype=torch.float32, device=t.device)
     block_d = max(16, next_pow2(d))
     interpret = path == runtime.INTERPRETER
