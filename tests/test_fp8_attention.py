@@ -232,3 +232,17 @@ def test_compiles_fullgraph():
     for g, e in zip(got, fn(*args)):
         assert torch.equal(g, e)
     assert counter.frame_count == 1
+
+
+def test_v_t_reaches_the_kernels_keys_contiguous_and_tma_aligned():
+    """quantize_qkv's V^T (rows padded to 16 keys) reaches the kernels as it is; a dense V^T at an odd key count
+    (1000-byte rows: no TMA, so no warp-specialized kernel) is copied into the padded layout, values unchanged."""
+    from tilefuse.ops.fp8_attention import _v_t_for_kernels
+    q, k, v = _qkv(1, 2, 2, 64, 1000, 64, seed=3)
+    r = quantize_qkv(q, k, v)
+    padded = r.v.transpose(2, 3)
+    assert _v_t_for_kernels(padded).data_ptr() == padded.data_ptr()
+    dense = padded.contiguous()
+    assert dense.stride(2) == 1000
+    got = _v_t_for_kernels(dense)
+    assert got.stride() == (2 * 64 * 1008, 64 * 1008, 1008, 1) and torch.equal(got.float(), dense.float())

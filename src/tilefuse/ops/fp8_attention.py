@@ -89,7 +89,7 @@ def _(q, k, v, rotate):
 def _attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                   v_t: torch.Tensor, v_scale: torch.Tensor, scale: float, pos_offset: int, window_left: int,
                   window_right: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """out [B, Hq, Nq, d] for e4m3 inputs; v_t [B, Hkv, d, Nk] contiguous."""
+    """out [B, Hq, Nq, d] for e4m3 inputs; v_t [B, Hkv, d, Nk] keys contiguous (:func:`_v_t_for_kernels`)."""
     path = runtime.execution_path(q)
     v = v_t.transpose(2, 3)
     if path == runtime.REFERENCE or q.numel() == 0 or k.shape[2] == 0:
@@ -112,6 +112,17 @@ def _check_inputs(q, k, v, dtypes=FLOAT_DTYPES):
     """tilefuse.ops._checks' attention checks (dtypes, devices, [B, H, N, d] shapes, head dims, GQA)."""
     check_qkv(q, k, v, ndim=4, dtypes=dtypes)
     check_kv_heads(q, k, v)
+
+
+def _v_t_for_kernels(v_t: torch.Tensor) -> torch.Tensor:
+    """V^T [B, Hkv, d, Nk] as the kernels read it: keys contiguous, every other stride 16-byte aligned (TMA-able,
+    so the warp-specialized kernel takes it); quantize_qkv writes it so, other layouts are copied into that one
+    (``constants.fp8_v_t_strides``)."""
+    # Strides only (a compiled graph knows them; the base address the launch's descriptor check sees).
+    if v_t.stride(-1) == 1 and all(st % 16 == 0 for st in v_t.stride()[:-1]):
+        return v_t
+    return torch.empty_strided(v_t.shape, constants.fp8_v_t_strides(*v_t.shape), dtype=v_t.dtype,
+                               device=v_t.device).copy_(v_t)
 
 
 def _power_of_two(d: int) -> bool:
@@ -190,9 +201,7 @@ def attention_fp8(q, k, v, *, causal=False, window=None, scale=None, q_scale=Non
         qs = _scales("q_scale", q_scale, (B, Hq), _blocks(Nq), "one per head and 128 query rows", q.device)
         ks = _scales("k_scale", k_scale, (B, Hkv), _blocks(Nk), "one per head and 128 keys", q.device)
         vs = _scales("v_scale", v_scale, (B, Hkv), d, "one per head and channel", q.device)
-        v_t = v.transpose(2, 3)
-        if not v_t.is_contiguous():  # the kernels read V keys-contiguous; quantize_qkv writes it so
-            v_t = v_t.contiguous()
+        v_t = _v_t_for_kernels(v.transpose(2, 3))
         q, k = q.contiguous(), k.contiguous()
         out_dtype = out_dtype or torch.bfloat16
     else:
