@@ -68,11 +68,13 @@ def _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t,
 def lce_chunk_stats_kernel(
     z_ptr,                       # [M, VC] logits of vocabulary chunk ``split`` (bias added), from a GEMM
     target_ptr, part_ptr,        # part: fp32 [4, SPLITS, M], the chunks' partials
-    M, VC, v0, split, splits, stride_zm, softcap,
+    M, VC, VC_MEM, v0, split, splits, stride_zm, softcap,
     HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The forward's partials of one materialised vocabulary chunk (the chunked forward: cuBLAS makes the
-    chunk's logits, this folds them), columns v0 + j."""
+    chunk's logits, this folds them), columns v0 + j. VC_MEM >= VC: the columns each row has in memory (a padded
+    chunk's, rounded to 16), the loads' bound, so an odd VC (GPT-2's vocabulary) still loads 16 bytes at a time;
+    the columns past VC are read and never used."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     offs_m64 = offs_m.to(tl.int64)
@@ -80,8 +82,8 @@ def lce_chunk_stats_kernel(
     for j0 in range(0, VC, BLOCK_V):
         offs_j = j0 + tl.arange(0, BLOCK_V)
         mask_v = offs_j < VC
-        z = tl.load(z_ptr + offs_m64[:, None] * stride_zm + offs_j[None, :], mask=mask_m[:, None] & mask_v[None, :],
-                    other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs_m64[:, None] * stride_zm + offs_j[None, :],
+                    mask=mask_m[:, None] & (offs_j < VC_MEM)[None, :], other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             z, _ = _soft_capped(z, softcap)
         z = tl.where(mask_v[None, :], z, float("-inf"))
@@ -93,15 +95,16 @@ def lce_chunk_stats_kernel(
 def lce_logit_grad_kernel(
     z_ptr,                       # [M, VC] logits of one vocabulary chunk (bias added), overwritten with dz
     target_ptr, lse_ptr, dloss_ptr,  # per row: target (int), lse fp32, dloss fp32 (0 on rows with no gradient)
-    M, VC, V, v0, stride_zm, softcap, smoothing, scale,
+    M, VC, VC_MEM, V, v0, stride_zm, softcap, smoothing, scale,
     HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """scale * dz, dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V)) (times 1 - tanh^2 under the
-    softcap) for a [BLOCK_M, BLOCK_V] tile of a chunk whose columns are vocabulary entries v0 + j, in place."""
+    softcap) for a [BLOCK_M, BLOCK_V] tile of a chunk whose columns are vocabulary entries v0 + j, in place.
+    VC_MEM >= VC bounds the loads and stores (lce_chunk_stats_kernel's): the columns past VC get 0."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_m = offs_m < M
-    mask = mask_m[:, None] & (offs_v < VC)[None, :]
+    mask = mask_m[:, None] & (offs_v < VC_MEM)[None, :]
     offs_m64 = offs_m.to(tl.int64)
     ptrs = z_ptr + offs_m64[:, None] * stride_zm + offs_v[None, :]
     z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -114,7 +117,8 @@ def lce_logit_grad_kernel(
     p = tl.exp(z - lse[:, None])
     onehot = tl.where((v0 + offs_v).to(tl.int64)[None, :] == target[:, None], 1.0, 0.0)
     dz = ((1.0 - smoothing) * (p - onehot) + smoothing * (p - 1.0 / V)) * dloss[:, None]
-    dz = tl.where(dloss[:, None] != 0.0, dz, 0.0)  # rows with no gradient stay 0 even where p is NaN
+    # Rows with no gradient stay 0 even where p is NaN; so do the columns past VC.
+    dz = tl.where((dloss[:, None] != 0.0) & (offs_v < VC)[None, :], dz, 0.0)
     if HAS_SOFTCAP:
         dz = dz * (1.0 - t * t)
     tl.store(ptrs, (dz * scale).to(z_ptr.dtype.element_ty), mask=mask)

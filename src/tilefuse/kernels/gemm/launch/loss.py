@@ -26,7 +26,8 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
     for i, v0 in enumerate(range(0, V, vc)):
         z = _chunk_logits(x2d, w, b, v0, vc, buf)
         fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (
-            z, target, part, M, z.shape[1], v0, i, splits, z.stride(0), float(softcap or 0.0)),
+            z, target, part, M, z.shape[1], _columns_in_memory(z, buf), v0, i, splits, z.stride(0),
+            float(softcap or 0.0)),
             dict(HAS_SOFTCAP=softcap is not None, **tile))
     launches.record("linear_cross_entropy", path, f"{splits} vocabulary chunks of {vc}: logits by a GEMM, "
                     "folded by a row pass", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
@@ -90,12 +91,14 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
         m = x_c.shape[0]
         p_c = torch.empty((4, 1, m), dtype=torch.float32, device=dev)  # dense: the kernel's planes are m apart
         z = _chunk_logits(x_c, w, b, 0, V, buf)
+        cols = _columns_in_memory(z, buf)
         fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]),), (
-            z, t_c, p_c, m, V, 0, 0, 1, z.stride(0), float(softcap or 0.0)),
+            z, t_c, p_c, m, V, cols, 0, 0, 1, z.stride(0), float(softcap or 0.0)),
             dict(HAS_SOFTCAP=softcap is not None, **stats))
         loss[m0:m0 + m], lse[m0:m0 + m] = _rows_from_partials(p_c, t_c, V, ignore_index, smoothing)
         fastpath.launch(lce_logit_grad_kernel, (cdiv(m, grad["BLOCK_M"]), cdiv(V, grad["BLOCK_V"])), (
-            z, t_c, lse[m0:m0 + m], u_c, m, V, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing), 1.0),
+            z, t_c, lse[m0:m0 + m], u_c, m, V, cols, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing),
+            1.0),
             dict(HAS_SOFTCAP=softcap is not None, **grad))
         if need_dx:
             _logit_rows_product(z, w, dx[m0:m0 + m], buf is not None)
@@ -147,6 +150,15 @@ def _chunk_logits(x2d, w, b, v0: int, vc: int, buf: torch.Tensor | None) -> torc
         else:
             torch.addmm(b[v0 + c0:v0 + c1], x2d, w_c[c0:c1].t(), out=out)
     return z
+
+
+def _columns_in_memory(z: torch.Tensor, buf: torch.Tensor | None) -> int:
+    """The columns the row kernels may read and write in each row of a logits chunk: its own where it is dense;
+    in a padded buffer (every row of it ``stride(0)`` elements long) its columns rounded up to 16 within the
+    pitch, so the loads' bound is a multiple of 16 and an odd vocabulary (GPT-2's 50257) still loads 16 bytes at a
+    time (a bound of 50257 made every load one element)."""
+    n = z.shape[1]
+    return n if buf is None else min(z.stride(0), cdiv(n, 16) * 16)
 
 
 def _aligned_part(n: int) -> tuple[tuple[int, int], ...]:
@@ -212,8 +224,8 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
         z = _chunk_logits(x2d, w, b, v0, vc, buf)
         n = z.shape[1]
         fastpath.launch(lce_logit_grad_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(n, tile["BLOCK_V"])), (
-            z, target, lse, dloss, M, n, V, v0, z.stride(0), float(softcap or 0.0), float(smoothing),
-            LCE_FP16_SCALE if scaled else 1.0),
+            z, target, lse, dloss, M, n, _columns_in_memory(z, buf), V, v0, z.stride(0), float(softcap or 0.0),
+            float(smoothing), LCE_FP16_SCALE if scaled else 1.0),
             dict(HAS_SOFTCAP=softcap is not None, **tile))
         if need_dw:  # fp16: dW rows = c * (dz'^T x) / scale (dz'^T x / scale, i.e. dW / c, must fit fp16)
             dw_c = dw[v0:v0 + n]
