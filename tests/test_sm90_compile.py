@@ -584,23 +584,27 @@ def test_fp8_block_pass_loads_and_stores_16_bytes_at_a_time(rotate, d):
     assert facts["scalar_16bit_loads"] == 0 and facts["byte_stores"] == 0, facts
 
 
-@pytest.mark.parametrize("kernel", ["channel_amax_kernel", "quantize_transposed_kernel"])
+@pytest.mark.parametrize("kernel", ["channel_amax_kernel", "channel_scale_kernel", "quantize_transposed_kernel"])
 @pytest.mark.parametrize("d", [128, 256])
 def test_fp8_value_pass_compiles_without_spills(kernel, d):
-    """The FP8 pre-pass's two V kernels at the launch's [rows, d] block: no spills, the block in registers (the
+    """The FP8 pre-pass's three V kernels at the launch's [rows, d] block: no spills, the block in registers (the
     cast's transpose through shared memory within the H200's 227 KB), no 16-bit element loads, no byte stores."""
     from tilefuse.kernels.attention.launch import QUANT_PART_ROWS, QUANT_TILE_ELEMENTS
     rows = max(16, min(128, QUANT_TILE_ELEMENTS // d))
-    consts = dict(BLOCK_R=rows, BLOCK_D=d, **({"PART_ROWS": QUANT_PART_ROWS} if kernel != "channel_amax_kernel"
-                                               else {}))
+    consts = {"channel_amax_kernel": dict(BLOCK_R=rows, BLOCK_D=d),
+              "channel_scale_kernel": dict(BLOCK_D=d, PART_ROWS=QUANT_PART_ROWS),
+              "quantize_transposed_kernel": dict(BLOCK_R=rows, BLOCK_D=d)}[kernel]
     cast = kernel == "quantize_transposed_kernel"
-    sig = {"*": "*bf16", "part_ptr": "*fp32", **({"dst_ptr": "*fp8e4nv", "scale_ptr": "*fp32"} if cast else {})}
-    aligned = ("src_ptr", "part_ptr", "stride_sb", "stride_sh", "stride_sn", "D") + (
-        ("dst_ptr", "stride_db", "stride_dh", "stride_dd", "N") if cast else ())
-    facts = compile_sm90("tilefuse.kernels.attention.fp8", kernel, sig, consts, num_warps=8, aligned=aligned,
-                         ones=("stride_sd", "stride_dn") if cast else ("stride_sd",))
-    assert facts["spill_store_bytes"] == 0 and facts["scalar_16bit_loads"] == 0, facts
-    assert facts["shared"] <= 227 * 1024, facts
+    from tilefuse.kernels.attention import fp8
+    params = getattr(fp8, kernel).arg_names
+    sig = {k: v for k, v in {"part_ptr": "*fp32", "scale_ptr": "*fp32", "dst_ptr": "*fp8e4nv"}.items() if k in params}
+    sig["*"] = "*bf16"
     # The transposed e4m3 store runs along the keys: 16 bytes at a time where N is a multiple of 16 (the FP8
     # kernels' TMA needs that of V^T anyway); an unspecialized N made it one byte at a time.
+    aligned = tuple(a for a in ("src_ptr", "part_ptr", "scale_ptr", "stride_sb", "stride_sh", "stride_sn", "D")
+                    if a in params) + (("dst_ptr", "stride_db", "stride_dh", "stride_dd", "N") if cast else ())
+    facts = compile_sm90("tilefuse.kernels.attention.fp8", kernel, sig, consts, num_warps=8, aligned=aligned,
+                         ones=tuple(a for a in ("stride_sd", "stride_dn") if a in params))
+    assert facts["spill_store_bytes"] == 0 and facts["scalar_16bit_loads"] == 0, facts
+    assert facts["shared"] <= 227 * 1024, facts
     assert facts["byte_stores"] == 0, facts

@@ -1,6 +1,7 @@
 """FP8 (e4m3) attention forward: the quantize pre-pass and the portable kernel.
 
-Quantization (``quantize_blocks_kernel``; ``channel_amax_kernel`` then ``quantize_transposed_kernel`` for V):
+Quantization (``quantize_blocks_kernel``; ``channel_amax_kernel``, ``channel_scale_kernel`` and
+``quantize_transposed_kernel`` for V):
 - Q and K per block: one fp32 scale per head and per QUANT_BLOCK rows (amax / 448), optionally after an
   orthogonal rotation along d (``ROTATE``: a ±1 Hadamard matrix with random signs, times 1/sqrt(d)). Rotating
   Q and K by the same orthogonal matrix leaves QK^T unchanged and spreads an outlier channel over all d,
@@ -12,8 +13,8 @@ Quantization (``quantize_blocks_kernel``; ``channel_amax_kernel`` then ``quantiz
   K-major only, and for P @ V the reduction runs over keys.
 Q and K: one read of the 16-bit tensor and a write of half its bytes (+ the scales), a program per
 [QUANT_BLOCK, d] block. V: a column's scale needs all N rows, so two passes over [rows, d] blocks, a program
-each: the blocks' column amaxes into a small fp32 buffer, then (every program reducing those for its head) the
-cast, transposed on chip; V is read twice, at as many programs as Q's pass has.
+each: the blocks' column amaxes into a small fp32 buffer, reduced to the scales once per head, then the cast,
+transposed on chip; V is read twice, at as many programs as Q's pass has.
 
 Forward (``attention_fp8_fwd_kernel``): FlashAttention's online softmax over e4m3 Q, K, V^T. The scores'
 scale is sm_scale * log2(e) * q_scale(block) * k_scale(tile), one multiply per score as in the 16-bit
@@ -103,19 +104,12 @@ def channel_amax_kernel(src_ptr, part_ptr, H, N, D, stride_sb, stride_sh, stride
     tl.store(part + offs_d, tl.max(_magnitude(x), 0), mask=mask_d)
 
 
-@triton.jit(do_not_specialize=["H", "BLOCKS"])
-def quantize_transposed_kernel(src_ptr, part_ptr, dst_ptr, scale_ptr, H, N, D, BLOCKS,
-                               stride_sb, stride_sh, stride_sn, stride_sd,
-                               stride_db, stride_dh, stride_dn, stride_dd,
-                               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PART_ROWS: tl.constexpr):
-    """The V pass's second half: each column's scale from the BLOCKS partial amaxes (channel_amax_kernel's part),
-    then one [BLOCK_R, D] block of src cast to e4m3 and stored transposed (dst [B, H, N, D] with its strides; V^T:
-    stride_dn 1, so a [D, BLOCK_R] tile of keys-contiguous rows); scale fp32 [B, H, D] contiguous, written by the
-    first row block. Program (row block, b * H + h)."""
-    blk = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+@triton.jit(do_not_specialize=["BLOCKS"])
+def channel_scale_kernel(part_ptr, scale_ptr, D, BLOCKS, BLOCK_D: tl.constexpr, PART_ROWS: tl.constexpr):
+    """The V pass's middle step: each column's scale from its BLOCKS partial amaxes (channel_amax_kernel's part),
+    once per head (the cast's programs then read D scales, not BLOCKS x D partials each); scale fp32 [B * H, D]
+    contiguous. Program b * H + h."""
+    bh = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     part = part_ptr + bh.to(tl.int64) * BLOCKS * D
@@ -125,7 +119,24 @@ def quantize_transposed_kernel(src_ptr, part_ptr, dst_ptr, scale_ptr, H, N, D, B
         chunk = tl.load(part + offs_p[:, None] * D + offs_d[None, :],
                         mask=(offs_p < BLOCKS)[:, None] & mask_d[None, :], other=0.0)
         amax = tl.maximum(amax, tl.max(chunk, 0))
-    scale = _scale_of(amax)
+    tl.store(scale_ptr + bh.to(tl.int64) * D + offs_d, _scale_of(amax), mask=mask_d)
+
+
+@triton.jit(do_not_specialize=["H"])
+def quantize_transposed_kernel(src_ptr, scale_ptr, dst_ptr, H, N, D,
+                               stride_sb, stride_sh, stride_sn, stride_sd,
+                               stride_db, stride_dh, stride_dn, stride_dd,
+                               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The V pass's last step: one [BLOCK_R, D] block of src divided by its columns' scales (channel_scale_kernel's,
+    fp32 [B * H, D]), cast to e4m3 and stored transposed (dst [B, H, N, D] with its strides; V^T: stride_dn 1, so
+    a [D, BLOCK_R] tile of keys-contiguous rows). Program (row block, b * H + h)."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    scale = tl.load(scale_ptr + bh.to(tl.int64) * D + offs_d, mask=mask_d, other=1.0)
     offs_n = blk * BLOCK_R + tl.arange(0, BLOCK_R)
     mask = (offs_n < N)[:, None] & mask_d[None, :]
     src = head_tile_ptrs(src_ptr, b, h, stride_sb, stride_sh, offs_n, stride_sn, offs_d, stride_sd)
@@ -134,8 +145,6 @@ def quantize_transposed_kernel(src_ptr, part_ptr, dst_ptr, scale_ptr, H, N, D, B
     dst = (dst_ptr + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
            + offs_d[:, None] * stride_dd + offs_n.to(tl.int64)[None, :] * stride_dn)
     tl.store(dst, y, mask=tl.trans(mask))
-    if blk == 0:
-        tl.store(scale_ptr + bh.to(tl.int64) * D + offs_d, scale, mask=mask_d)
 
 
 @triton.jit

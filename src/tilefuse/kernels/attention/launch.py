@@ -827,7 +827,7 @@ FP8_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 FP8_INTERPRETER_CONFIG = dict(BLOCK_M=64, BLOCK_N=64)
 QUANT_INTERPRETER_ROWS = 64  # the V pass's rows per program in the interpreter (its cost is per program)
 QUANT_TILE_ELEMENTS = 16384  # the V pass's [rows, d] block on a GPU: 128 rows up to d 128, fewer past it
-QUANT_PART_ROWS = 32  # partial amaxes reduced per step by the V pass's cast programs
+QUANT_PART_ROWS = 32  # partial amaxes reduced per step by the V pass's scale programs
 
 
 def quantize_blocks(t: torch.Tensor, rotation, path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -848,7 +848,8 @@ def quantize_channels_transposed(t: torch.Tensor, path) -> tuple[torch.Tensor, t
     """t [B, H, N, d] -> (e4m3 [B, H, N, d] view of a [B, H, d, N] buffer (keys contiguous, the layout FP8
     wgmma reads for P @ V; rows padded to a multiple of 16 keys, so V^T is TMA-able at any N and the
     warp-specialized kernel takes it), fp32 per-channel scales [B, H, d]): the column amaxes per row block,
-    then the cast per row block (fp8.channel_amax_kernel, fp8.quantize_transposed_kernel)."""
+    the scales once per head, then the cast per row block (fp8.channel_amax_kernel, fp8.channel_scale_kernel,
+    fp8.quantize_transposed_kernel)."""
     B, H, N, d = t.shape
     dst = torch.empty_strided((B, H, d, N), constants.fp8_v_t_strides(B, H, d, N), dtype=torch.float8_e4m3fn,
                               device=t.device).transpose(2, 3)
@@ -861,9 +862,10 @@ def quantize_channels_transposed(t: torch.Tensor, path) -> tuple[torch.Tensor, t
     warps = {} if interpret else dict(num_warps=8)
     fastpath.launch(fp8.channel_amax_kernel, (blocks, B * H), (t, partial, H, N, d, *t.stride()),
                     dict(BLOCK_R=rows, BLOCK_D=block_d, **warps))
+    fastpath.launch(fp8.channel_scale_kernel, (B * H,), (partial, scales, d, blocks),
+                    dict(BLOCK_D=block_d, PART_ROWS=QUANT_PART_ROWS, **warps))
     fastpath.launch(fp8.quantize_transposed_kernel, (blocks, B * H), (
-        t, partial, dst, scales, H, N, d, blocks, *t.stride(), *dst.stride()),
-        dict(BLOCK_R=rows, BLOCK_D=block_d, PART_ROWS=QUANT_PART_ROWS, **warps))
+        t, scales, dst, H, N, d, *t.stride(), *dst.stride()), dict(BLOCK_R=rows, BLOCK_D=block_d, **warps))
     return dst, scales
 
 
