@@ -40,6 +40,32 @@ def test_out_of_range_targets(device):
     assert all(torch.isfinite(u.grad).all() for u in leaves)
 
 
+def test_training_form_rows_give_nan_for_a_bad_target_and_0_for_an_ignored_one(device, monkeypatch):
+    """The training form's token chunks finish their rows' loss in the row kernel (FINISH): an ignored row adds
+    0 and its gradient none, a target outside [0, V) (unchecked) makes the summed loss NaN, as the rows'
+    merge of the chunked forward does; ignored rows only, the loss and gradients match float64."""
+    monkeypatch.setattr(switches.gemm, "LCE_TRAINING_FORM", True)
+    x, w, t = _inputs(device, seed=9)
+    t[3] = -100
+    from tilefuse.kernels import launches
+    leaves = [u.clone().requires_grad_() for u in (x, w)]
+    with launches.recording() as recs:
+        loss = tilefuse.linear_cross_entropy(*leaves, t, reduction="sum", label_smoothing=0.1)
+    assert [r.kernel.startswith("training form") for r in recs] == [True], recs
+    loss.backward()
+    ref = [u.double().requires_grad_() for u in (x, w)]
+    want = F.cross_entropy(F.linear(*ref), t, reduction="sum", label_smoothing=0.1)
+    want.backward()
+    assert_close(loss, want, BOUND, "loss")
+    for got, r, name in zip(leaves, ref, ("dx", "dW")):
+        assert_close(got.grad, r.grad, BOUND, name)
+    assert torch.count_nonzero(leaves[0].grad[3]) == 0  # the ignored row
+    bad = t.clone()
+    bad[1] = V
+    leaves = [u.clone().requires_grad_() for u in (x, w)]
+    assert tilefuse.linear_cross_entropy(*leaves, bad, reduction="sum", check_targets=False).isnan()
+
+
 def test_all_ignored_gives_what_torch_gives(device):
     x, w, t = _inputs(device)
     t.fill_(-100)

@@ -483,15 +483,16 @@ def test_fp32_gemm_kernels_honour_the_input_precision(precision):
     assert facts["wgmma"] == (precision == "tf32"), facts
 
 
-@pytest.mark.parametrize("kernel", ["lce_logit_grad_kernel", "lce_chunk_stats_kernel"])
-def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel):
-    """The row passes over a bf16 logits chunk -- the backward's in-place dz, the chunked forward's partials
-    (no dot in either): they compile, without spills."""
+@pytest.mark.parametrize("kernel,finish", [("lce_logit_grad_kernel", None), ("lce_chunk_stats_kernel", False),
+                                           ("lce_chunk_stats_kernel", True)])
+def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel, finish):
+    """The row passes over a bf16 logits chunk -- the backward's in-place dz, the chunked forward's partials, the
+    training form's finished rows (no dot in any): they compile, without spills."""
     from tilefuse.kernels.gemm.launch.loss import LCE_GRAD_TILE, LCE_STATS_TILE
-    sig = {"z_ptr": "*bf16", "target_ptr": "*i64", "softcap": "fp32", "*": "*fp32"}
-    tile = LCE_STATS_TILE
+    sig = {"z_ptr": "*bf16", "target_ptr": "*i64", "softcap": "fp32", "smoothing": "fp32", "*": "*fp32"}
+    tile = dict(LCE_STATS_TILE, FINISH=finish)
     if kernel == "lce_logit_grad_kernel":
-        sig["smoothing"] = "fp32"
+        sig["scale"] = "fp32"
         tile = LCE_GRAD_TILE
     facts = compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1)
     assert facts["spill_store_bytes"] == 0, facts

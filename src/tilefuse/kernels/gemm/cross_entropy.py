@@ -68,13 +68,17 @@ def _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t,
 def lce_chunk_stats_kernel(
     z_ptr,                       # [M, VC] logits of vocabulary chunk ``split`` (bias added), from a GEMM
     target_ptr, part_ptr,        # part: fp32 [4, SPLITS, M], the chunks' partials
-    M, VC, VC_MEM, v0, split, splits, stride_zm, softcap,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+    loss_ptr, lse_ptr,           # FINISH: fp32 [M] each, the rows' loss and lse
+    M, VC, VC_MEM, V, v0, split, splits, stride_zm, softcap, ignore_index, smoothing,
+    HAS_SOFTCAP: tl.constexpr, FINISH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The forward's partials of one materialised vocabulary chunk (the chunked forward: cuBLAS makes the
     chunk's logits, this folds them), columns v0 + j. VC_MEM >= VC: the columns each row has in memory (a padded
     chunk's, rounded to 16), the loads' bound, so an odd VC (GPT-2's vocabulary) still loads 16 bytes at a time;
-    the columns past VC are read and never used."""
+    the columns past VC are read and never used. FINISH (the chunk is the whole vocabulary, v0 = 0): the rows'
+    loss and lse instead of partials, as the launch layer's merge of one split makes them (0 where the target is
+    ignore_index, NaN where it is outside [0, V)), so a token chunk of the training form takes one launch here
+    instead of a dozen small torch ops."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     offs_m64 = offs_m.to(tl.int64)
@@ -88,7 +92,15 @@ def lce_chunk_stats_kernel(
             z, _ = _soft_capped(z, softcap)
         z = tl.where(mask_v[None, :], z, float("-inf"))
         m_i, l_i, z_t, z_sum = _fold_tile(z, v0 + offs_j, mask_v, target, m_i, l_i, z_t, z_sum)
-    _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum)
+    if FINISH:
+        lse = m_i + tl.log(l_i * tl.exp(m_i - m_i))  # exp(0) = 1; NaN where the max is infinite, as the merge's
+        loss = (1.0 - smoothing) * (lse - z_t) + smoothing * (lse - z_sum / V)
+        loss = tl.where((target >= 0) & (target < V), loss, float("nan"))
+        loss = tl.where(target == ignore_index, 0.0, loss)
+        tl.store(loss_ptr + offs_m64, loss, mask=mask_m)
+        tl.store(lse_ptr + offs_m64, lse, mask=mask_m)
+    else:
+        _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum)
 
 
 @triton.jit

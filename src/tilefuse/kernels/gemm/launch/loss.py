@@ -26,9 +26,9 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
     for i, v0 in enumerate(range(0, V, vc)):
         z = _chunk_logits(x2d, w, b, v0, vc, buf)
         fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (
-            z, target, part, M, z.shape[1], _columns_in_memory(z, buf), v0, i, splits, z.stride(0),
-            float(softcap or 0.0)),
-            dict(HAS_SOFTCAP=softcap is not None, **tile))
+            z, target, part, part, part, M, z.shape[1], _columns_in_memory(z, buf), V, v0, i, splits, z.stride(0),
+            float(softcap or 0.0), ignore_index, float(smoothing)),
+            dict(HAS_SOFTCAP=softcap is not None, FINISH=False, **tile))
     launches.record("linear_cross_entropy", path, f"{splits} vocabulary chunks of {vc}: logits by a GEMM, "
                     "folded by a row pass", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
     return _rows_from_partials(part, target, V, ignore_index, smoothing)
@@ -89,13 +89,12 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
     for m0 in range(0, M, rows):
         x_c, t_c, u_c = x2d[m0:m0 + rows], target[m0:m0 + rows], unit[m0:m0 + rows]
         m = x_c.shape[0]
-        p_c = torch.empty((4, 1, m), dtype=torch.float32, device=dev)  # dense: the kernel's planes are m apart
         z = _chunk_logits(x_c, w, b, 0, V, buf)
         cols = _columns_in_memory(z, buf)
-        fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]),), (
-            z, t_c, p_c, m, V, cols, 0, 0, 1, z.stride(0), float(softcap or 0.0)),
-            dict(HAS_SOFTCAP=softcap is not None, **stats))
-        loss[m0:m0 + m], lse[m0:m0 + m] = _rows_from_partials(p_c, t_c, V, ignore_index, smoothing)
+        fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]),), (  # the rows' loss and lse
+            z, t_c, lse, loss[m0:], lse[m0:], m, V, cols, V, 0, 0, 1, z.stride(0), float(softcap or 0.0),
+            ignore_index, float(smoothing)),
+            dict(HAS_SOFTCAP=softcap is not None, FINISH=True, **stats))
         fastpath.launch(lce_logit_grad_kernel, (cdiv(m, grad["BLOCK_M"]), cdiv(V, grad["BLOCK_V"])), (
             z, t_c, lse[m0:m0 + m], u_c, m, V, cols, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing),
             1.0),
