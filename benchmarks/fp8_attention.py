@@ -118,7 +118,7 @@ def prepass():
     path = runtime.execution_path(torch.empty(1, device="cuda"))
     for B, H, N in SHAPES:
         q, k, v = _inputs(B, H, N)
-        rot = ref.hadamard_signs(D, q.device)
+        rot = ref.hadamard_signs(D, q.device, q.dtype)
         rows = {"quantize_qkv (rotated)": (lambda: tilefuse.quantize_qkv(q, k, v, rotate=True), 3),
                 "q blocks, rotated": (lambda: launch.quantize_blocks(q, rot, path), 1),
                 "q blocks": (lambda: launch.quantize_blocks(q, None, path), 1),

@@ -63,7 +63,7 @@ def _quantize_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """(q8, q_scale, k8, k_scale, v8 as [B, Hkv, d, Nk], v_scale)."""
     path = runtime.execution_path(q)
     rotation = ref_fp8.hadamard_signs(q.shape[-1], q.device) if rotate else None
-    if path == runtime.REFERENCE or q.numel() == 0 or k.numel() == 0:
+    if path == runtime.REFERENCE or q.numel() == 0 or k.numel() == 0:  # the reference rotates in fp32
         _dispatch.record_reference("quantize_qkv", path)
         q8, qs = ref_fp8.quantize_blocks(q, rotation)
         k8, ks = ref_fp8.quantize_blocks(k, rotation)
@@ -73,6 +73,8 @@ def _quantize_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   device=v8.device)
         return q8, qs, k8, ks, v_t.copy_(v8.transpose(2, 3)), vs
     launch = _launch()
+    if rotate:  # the kernels' ±1 matrix in the inputs' dtype (exact)
+        rotation = ref_fp8.hadamard_signs(q.shape[-1], q.device, q.dtype)
     with _dispatch.on_device(q):
         q8, qs = launch.quantize_blocks(q, rotation, path)
         k8, ks = launch.quantize_blocks(k, rotation, path)

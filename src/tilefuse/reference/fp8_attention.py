@@ -38,13 +38,14 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn)
 
 
-def hadamard_signs(d: int, device) -> torch.Tensor:
-    """The rotation's ±1 matrix [d, d] fp32 (d a power of two): a Sylvester Hadamard matrix with its rows'
-    signs flipped by a fixed pseudo-random pattern (so no input is aligned with it by construction).
-    Times 1/sqrt(d) it is orthogonal, so rotating Q and K alike leaves QK^T unchanged."""
+def hadamard_signs(d: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The rotation's ±1 matrix [d, d] (d a power of two; exact in any float dtype, so the kernels take it in their
+    inputs' 16-bit dtype, half the bytes each program reads): a Sylvester Hadamard matrix with its rows' signs
+    flipped by a fixed pseudo-random pattern (so no input is aligned with it by construction). Times 1/sqrt(d) it is
+    orthogonal, so rotating Q and K alike leaves QK^T unchanged. Made once per (d, device, dtype)."""
     if d & (d - 1) or d < 1:
         raise ValueError(f"the rotation needs a power-of-two head dim, got {d}")
-    key = (d, str(device))
+    key = (d, str(device), dtype)
     m = _ROTATIONS.get(key)
     if m is None:
         h = torch.ones(1, 1)
@@ -52,7 +53,7 @@ def hadamard_signs(d: int, device) -> torch.Tensor:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
         g = torch.Generator().manual_seed(0x5EED)
         signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
-        m = _ROTATIONS[key] = (signs[:, None] * h).to(device)
+        m = _ROTATIONS[key] = (signs[:, None] * h).to(device=device, dtype=dtype)
     return m
 
 

@@ -832,7 +832,8 @@ QUANT_PART_ROWS = 32  # partial amaxes reduced per step by the V pass's scale pr
 
 def quantize_blocks(t: torch.Tensor, rotation, path) -> tuple[torch.Tensor, torch.Tensor]:
     """t [B, H, N, d] (any strides, 16/32-bit) -> (e4m3 [B, H, N, d] contiguous, fp32 scales [B, H, cdiv(N,
-    QUANT_BLOCK)]); ``rotation``: None or the ±1 [d, d] matrix (d a power of two), applied first."""
+    QUANT_BLOCK)]); ``rotation``: None or the ±1 [d, d] matrix (d a power of two; t's dtype: half the bytes
+    each program reads at 16 bits), applied first."""
     B, H, N, d = t.shape
     dst = torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device)
     blocks = cdiv(N, fp8.QUANT_BLOCK)
