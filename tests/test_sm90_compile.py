@@ -483,17 +483,18 @@ def test_fp32_gemm_kernels_honour_the_input_precision(precision):
     assert facts["wgmma"] == (precision == "tf32"), facts
 
 
-@pytest.mark.parametrize("kernel,finish", [("lce_logit_grad_kernel", None), ("lce_chunk_stats_kernel", False),
-                                           ("lce_chunk_stats_kernel", True)])
-def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel, finish):
-    """The row passes over a bf16 logits chunk -- the backward's in-place dz, the chunked forward's partials, the
-    training form's finished rows (no dot in any): they compile, without spills."""
+@pytest.mark.parametrize("kernel,form", [("lce_logit_grad_kernel", False), ("lce_logit_grad_kernel", True),
+                                         ("lce_chunk_stats_kernel", False), ("lce_chunk_stats_kernel", True)])
+def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel, form):
+    """The row passes over a bf16 logits chunk -- the backward's in-place dz (the training form's with its rows'
+    unit gradients from the targets), the chunked forward's partials, the training form's finished rows (no dot in
+    any): they compile, without spills."""
     from tilefuse.kernels.gemm.launch.loss import LCE_GRAD_TILE, LCE_STATS_TILE
     sig = {"z_ptr": "*bf16", "target_ptr": "*i64", "softcap": "fp32", "smoothing": "fp32", "*": "*fp32"}
-    tile = dict(LCE_STATS_TILE, FINISH=finish)
+    tile = dict(LCE_STATS_TILE, FINISH=form)
     if kernel == "lce_logit_grad_kernel":
         sig["scale"] = "fp32"
-        tile = LCE_GRAD_TILE
+        tile = dict(LCE_GRAD_TILE, UNIT_DLOSS=form)
     facts = compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1)
     assert facts["spill_store_bytes"] == 0, facts
     # At an odd vocabulary (VC 50257) in a padded chunk the loads' bound VC_MEM is a multiple of 16: the tiles

@@ -107,12 +107,13 @@ def lce_chunk_stats_kernel(
 def lce_logit_grad_kernel(
     z_ptr,                       # [M, VC] logits of one vocabulary chunk (bias added), overwritten with dz
     target_ptr, lse_ptr, dloss_ptr,  # per row: target (int), lse fp32, dloss fp32 (0 on rows with no gradient)
-    M, VC, VC_MEM, V, v0, stride_zm, softcap, smoothing, scale,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+    M, VC, VC_MEM, V, v0, stride_zm, softcap, smoothing, scale, ignore_index,
+    HAS_SOFTCAP: tl.constexpr, UNIT_DLOSS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """scale * dz, dz = dloss * ((1 - eps) * (softmax - onehot) + eps * (softmax - 1/V)) (times 1 - tanh^2 under the
     softcap) for a [BLOCK_M, BLOCK_V] tile of a chunk whose columns are vocabulary entries v0 + j, in place.
-    VC_MEM >= VC bounds the loads and stores (lce_chunk_stats_kernel's): the columns past VC get 0."""
+    VC_MEM >= VC bounds the loads and stores (lce_chunk_stats_kernel's): the columns past VC get 0. UNIT_DLOSS (the
+    training form): dloss is not read, but 1 on every row whose target is in [0, V) and not ignore_index, else 0."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_m = offs_m < M
@@ -121,8 +122,11 @@ def lce_logit_grad_kernel(
     ptrs = z_ptr + offs_m64[:, None] * stride_zm + offs_v[None, :]
     z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + offs_m64, mask=mask_m, other=0.0)
-    dloss = tl.load(dloss_ptr + offs_m64, mask=mask_m, other=0.0)
     target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
+    if UNIT_DLOSS:
+        dloss = tl.where(mask_m & (target != ignore_index) & (target >= 0) & (target < V), 1.0, 0.0)
+    else:
+        dloss = tl.load(dloss_ptr + offs_m64, mask=mask_m, other=0.0)
     t = z
     if HAS_SOFTCAP:
         z, t = _soft_capped(z, softcap)

@@ -83,11 +83,10 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
     dx = torch.empty((M, K) if need_dx else (0,), dtype=x2d.dtype, device=dev)
     dw = torch.empty((V, K) if need_dw else (0,), dtype=w.dtype, device=dev)
     db = torch.zeros((V,) if need_db else (0,), dtype=torch.float32, device=dev)
-    unit = ((target != ignore_index) & (target >= 0) & (target < V)).float()  # each kept row's gradient: 1
     stats, grad = LCE_STATS_TILE, LCE_GRAD_TILE
     buf = _logits_buffer(rows, V, x2d)
     for m0 in range(0, M, rows):
-        x_c, t_c, u_c = x2d[m0:m0 + rows], target[m0:m0 + rows], unit[m0:m0 + rows]
+        x_c, t_c = x2d[m0:m0 + rows], target[m0:m0 + rows]
         m = x_c.shape[0]
         z = _chunk_logits(x_c, w, b, 0, V, buf)
         cols = _columns_in_memory(z, buf)
@@ -96,9 +95,9 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
             ignore_index, float(smoothing)),
             dict(HAS_SOFTCAP=softcap is not None, FINISH=True, **stats))
         fastpath.launch(lce_logit_grad_kernel, (cdiv(m, grad["BLOCK_M"]), cdiv(V, grad["BLOCK_V"])), (
-            z, t_c, lse[m0:m0 + m], u_c, m, V, cols, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing),
-            1.0),
-            dict(HAS_SOFTCAP=softcap is not None, **grad))
+            z, t_c, lse[m0:m0 + m], lse, m, V, cols, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing),
+            1.0, ignore_index),  # each kept row's gradient 1, from its target (UNIT_DLOSS)
+            dict(HAS_SOFTCAP=softcap is not None, UNIT_DLOSS=True, **grad))
         if need_dx:
             _logit_rows_product(z, w, dx[m0:m0 + m], buf is not None)
         if need_dw:  # beta 0 on the first chunk: dW's uninitialised memory is not read
@@ -224,8 +223,8 @@ def linear_cross_entropy_backward(dloss, x2d, w, b, target, lse, smoothing: floa
         n = z.shape[1]
         fastpath.launch(lce_logit_grad_kernel, (cdiv(M, tile["BLOCK_M"]), cdiv(n, tile["BLOCK_V"])), (
             z, target, lse, dloss, M, n, _columns_in_memory(z, buf), V, v0, z.stride(0), float(softcap or 0.0),
-            float(smoothing), LCE_FP16_SCALE if scaled else 1.0),
-            dict(HAS_SOFTCAP=softcap is not None, **tile))
+            float(smoothing), LCE_FP16_SCALE if scaled else 1.0, -1),
+            dict(HAS_SOFTCAP=softcap is not None, UNIT_DLOSS=False, **tile))
         if need_dw:  # fp16: dW rows = c * (dz'^T x) / scale (dz'^T x / scale, i.e. dW / c, must fit fp16)
             dw_c = dw[v0:v0 + n]
             torch.addmm(dw_c, z.t(), x2d, beta=0, alpha=alpha, out=dw_c)
