@@ -766,3 +766,30 @@ def test_a_vendor_composition_replays_without_the_launch_modules_decisions(pinne
             s.replay for s in stub[gate_launches:])
         gated = launch.gated._GATED._plans
         assert any(type(p).__name__ == "VendorPlan" for p in gated.values())
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_the_fp8_pre_pass_replays_its_five_launches_on_new_tensors(rotate, pinned_tuners):
+    """quantize_qkv is one plan: a second call on new tensors of the first's shapes replays its five launches
+    (Q's and K's block pass, V's amax, scale and cast passes) with the new call's inputs and its own fresh
+    outputs, none of the first call's pointers; V^T keeps its padded rows (1000 keys, 1008 a row)."""
+    import tilefuse
+
+    def qkv(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(shape, generator=g).to(torch.bfloat16)
+                for shape in ((1, 4, 256, 128), (1, 2, 1000, 128), (1, 2, 1000, 128))]
+    first_in, second_in = qkv(0), qkv(1)
+    with torch.no_grad(), stubbed_launches() as launches:
+        first = tilefuse.quantize_qkv(*first_in, rotate=rotate)
+        n = len(launches)
+        second = tilefuse.quantize_qkv(*second_in, rotate=rotate)
+    full, fast = launches[:n], launches[n:]
+    assert [a.kernel for a in full] == ["quantize_blocks_kernel"] * 2 + [
+        "channel_amax_kernel", "channel_scale_kernel", "quantize_transposed_kernel"]
+    assert all(a.replay for a in fast) and not any(a.replay for a in full)
+    assert [(a.kernel, a.grid) for a in fast] == [(a.kernel, a.grid) for a in full]
+    old = {t.data_ptr() for t in (*first_in, first.q, first.k, first.v, first.q_scale, first.k_scale, first.v_scale)}
+    assert not old & {p for a in fast for p in a.pointers}
+    assert {t.data_ptr() for t in second_in} <= {p for a in fast for p in a.pointers}
+    assert second.v.stride() == first.v.stride() == (2 * 128 * 1008, 128 * 1008, 1, 1008)

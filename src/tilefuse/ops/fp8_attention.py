@@ -76,9 +76,7 @@ def _quantize_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if rotate:  # the kernels' ±1 matrix in the inputs' dtype (exact)
         rotation = ref_fp8.hadamard_signs(q.shape[-1], q.device, q.dtype)
     with _dispatch.on_device(q):
-        q8, qs = launch.quantize_blocks(q, rotation, path)
-        k8, ks = launch.quantize_blocks(k, rotation, path)
-        v8, vs = launch.quantize_channels_transposed(v, path)
+        q8, qs, k8, ks, v8, vs = launch.quantize_qkv(q, k, v, rotation, path)
     return q8, qs, k8, ks, v8.transpose(2, 3), vs
 
 

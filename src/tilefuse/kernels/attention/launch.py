@@ -845,12 +845,30 @@ def quantize_blocks(t: torch.Tensor, rotation, path) -> tuple[torch.Tensor, torc
     return dst, scales
 
 
+_QUANTIZE = fastpath.Plans("quantize_qkv")
+
+
+def quantize_qkv(q, k, v, rotation, path):
+    """The whole pre-pass, one plan of the fast path (its five launches replayed through the C launcher on a call
+    like an earlier one): (q8, q_scale, k8, k_scale, v8, v_scale) as ``quantize_blocks`` for q and k and
+    ``quantize_channels_transposed`` for v give them."""
+    out = _QUANTIZE.run((q, k, v, rotation), (path,), lambda: (
+        *quantize_blocks(q, rotation, path), *quantize_blocks(k, rotation, path),
+        *_channels_transposed(v, path)))
+    return out[:6]  # the seventh: the V pass's partial amaxes, a temporary each replay allocates
+
+
 def quantize_channels_transposed(t: torch.Tensor, path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 V^T view, per-channel scales): :func:`_channels_transposed` without its temporary."""
+    return _channels_transposed(t, path)[:2]
+
+
+def _channels_transposed(t: torch.Tensor, path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """t [B, H, N, d] -> (e4m3 [B, H, N, d] view of a [B, H, d, N] buffer (keys contiguous, the layout FP8
     wgmma reads for P @ V; rows padded to a multiple of 16 keys, so V^T is TMA-able at any N and the
     warp-specialized kernel takes it), fp32 per-channel scales [B, H, d]): the column amaxes per row block,
     the scales once per head, then the cast per row block (fp8.channel_amax_kernel, fp8.channel_scale_kernel,
-    fp8.quantize_transposed_kernel)."""
+    fp8.quantize_transposed_kernel); third, the partial amaxes [B * H, blocks, d] fp32 (a temporary)."""
     B, H, N, d = t.shape
     dst = torch.empty_strided((B, H, d, N), constants.fp8_v_t_strides(B, H, d, N), dtype=torch.float8_e4m3fn,
                               device=t.device).transpose(2, 3)
@@ -867,7 +885,7 @@ def quantize_channels_transposed(t: torch.Tensor, path) -> tuple[torch.Tensor, t
                     dict(BLOCK_D=block_d, PART_ROWS=QUANT_PART_ROWS, **warps))
     fastpath.launch(fp8.quantize_transposed_kernel, (blocks, B * H), (
         t, scales, dst, H, N, d, *t.stride(), *dst.stride()), dict(BLOCK_R=rows, BLOCK_D=block_d, **warps))
-    return dst, scales
+    return dst, scales, partial
 
 
 # The warp-specialized FP8 kernel's ring: 128-key tiles (one K scale each), three stages in 148 KB at d 128
