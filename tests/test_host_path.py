@@ -793,3 +793,29 @@ def test_the_fp8_pre_pass_replays_its_five_launches_on_new_tensors(rotate, pinne
     assert not old & {p for a in fast for p in a.pointers}
     assert {t.data_ptr() for t in second_in} <= {p for a in fast for p in a.pointers}
     assert second.v.stride() == first.v.stride() == (2 * 128 * 1008, 128 * 1008, 1, 1008)
+
+
+def test_fp8_attention_replays_its_warp_specialized_launch_on_new_tensors(pinned_tuners):
+    """The FP8 forward is one plan: a second call on new e4m3 tensors of the first's layout (quantize_qkv's, V^T's
+    rows padded at 1000 keys) replays the warp-specialized kernel with the new call's pointers and records it as
+    the first call did."""
+    import tilefuse
+
+    def quantized(seed):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(shape, generator=g).to(torch.bfloat16)
+                   for shape in ((1, 4, 256, 128), (1, 2, 1000, 128), (1, 2, 1000, 128)))
+        return tilefuse.quantize_qkv(q, k, v)
+
+    with torch.no_grad(), stubbed_launches() as stub:
+        first, second = quantized(0), quantized(1)
+        n = len(stub)
+        with launches.recording() as recs:
+            for r in (first, second):
+                tilefuse.attention(r.q, r.k, r.v, causal=True, fp8=True, q_scale=r.q_scale, k_scale=r.k_scale,
+                                   v_scale=r.v_scale)
+    calls = stub[n:]
+    assert [a.kernel for a in calls] == ["attention_fp8_ws_kernel"] * 2, calls
+    assert not calls[0].replay and calls[1].replay and calls[0].grid == calls[1].grid
+    assert second.q.data_ptr() in calls[1].pointers and first.q.data_ptr() not in calls[1].pointers
+    assert [rec.kernel for rec in recs if rec.op == "attention_fp8"] == ["ws", "ws"], recs

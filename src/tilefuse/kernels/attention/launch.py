@@ -900,12 +900,24 @@ def fp8_ws_usable(q, k, v_t, out) -> bool:
             and out.dtype in (torch.float16, torch.bfloat16) and descriptors_usable(q, k, v_t, out))
 
 
+_FP8_FORWARD = fastpath.Plans("attention_fp8")
+
+
 def forward_fp8(q, k, v, q_scale, k_scale, v_scale, scale: float, pos_offset: int, window_left: int,
                 window_right: int, out_dtype, path):
     """out [B, Hq, Nq, d] in ``out_dtype`` for e4m3 q [B, Hq, Nq, d], k [B, Hkv, Nk, d] and v [B, Hkv, Nk, d]
     with keys contiguous (v.stride(2) == 1), fp32 scales q [B, Hq, cdiv(Nq, 128)], k [B, Hkv, cdiv(Nk,
     128)], v [B, Hkv, d] contiguous; Nq, Nk >= 1. Runs the warp-specialized kernel (ws_fp8.py) where
-    ``fp8_ws_usable`` and switches.attention.FP8_KERNEL allow, the portable one (fp8.py) elsewhere."""
+    ``fp8_ws_usable`` and switches.attention.FP8_KERNEL allow, the portable one (fp8.py) elsewhere; a call
+    like an earlier one replays that launch (one fast-path plan)."""
+    return _FP8_FORWARD.run((q, k, v, q_scale, k_scale, v_scale),
+                            (scale, pos_offset, window_left, window_right, out_dtype, path),
+                            lambda: _forward_fp8(q, k, v, q_scale, k_scale, v_scale, scale, pos_offset,
+                                                 window_left, window_right, out_dtype, path))
+
+
+def _forward_fp8(q, k, v, q_scale, k_scale, v_scale, scale: float, pos_offset: int, window_left: int,
+                 window_right: int, out_dtype, path):
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     out = torch.empty((B, Hq, Nq, d), dtype=out_dtype, device=q.device)
