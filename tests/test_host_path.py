@@ -690,7 +690,6 @@ def test_a_patched_models_training_step_replays_every_launch_but_the_fused_loss(
     import transformers
 
     import tilefuse
-    from tilefuse.kernels.attention import launch as attention_launch
 
     torch.manual_seed(0)
     if family == "gpt2":
