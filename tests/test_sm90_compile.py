@@ -498,7 +498,7 @@ def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel, form):
     facts = compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1)
     assert facts["spill_store_bytes"] == 0, facts
     # At an odd vocabulary (VC 50257) in a padded chunk the loads' bound VC_MEM is a multiple of 16: the tiles
-    # load 16 bytes at a time (bounded by VC itself every load was one element: 16 a thread here, 32 in dz's).
+    # load 16 bytes at a time (a bound of unknown divisibility, VC itself, would give one-element loads).
     facts = compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1,
                          aligned=("z_ptr", "stride_zm", "VC_MEM"))
     assert facts["scalar_16bit_loads"] == 0 and facts["spill_store_bytes"] == 0, facts
@@ -573,9 +573,8 @@ def test_fp8_attention_portable_compiles_to_wgmma():
 @pytest.mark.parametrize("d", [64, 128])
 def test_fp8_block_pass_loads_and_stores_16_bytes_at_a_time(rotate, d):
     """The FP8 pre-pass's Q and K kernel at a launch's specialization (the head dim a multiple of 16, unit
-    inner strides): its bf16 tile loads and its e4m3 stores vectorized, no spills. A head dim left
-    unspecialized made the head-dim mask opaque and every access one element (64 b16 loads and 64 byte stores
-    a thread at d 128)."""
+    inner strides): its bf16 tile loads and its e4m3 stores vectorized, no spills. The head dim must stay
+    specializable: a masked access vectorizes only where its bound's 16-divisibility is known."""
     sig = {"*": "*bf16", "dst_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "rot_ptr": "*bf16"}
     aligned = ("src_ptr", "dst_ptr", "scale_ptr", "rot_ptr", "D", "stride_sb", "stride_sh", "stride_sn",
                "stride_db", "stride_dh", "stride_dn")
@@ -601,8 +600,8 @@ def test_fp8_value_pass_compiles_without_spills(kernel, d):
     params = getattr(fp8, kernel).arg_names
     sig = {k: v for k, v in {"part_ptr": "*fp32", "scale_ptr": "*fp32", "dst_ptr": "*fp8e4nv"}.items() if k in params}
     sig["*"] = "*bf16"
-    # The transposed e4m3 store runs along the keys: 16 bytes at a time where N is a multiple of 16 (the FP8
-    # kernels' TMA needs that of V^T anyway); an unspecialized N made it one byte at a time.
+    # The transposed e4m3 store runs along the keys: 16 bytes at a time where N is a multiple of 16 (N stays
+    # specializable for that).
     aligned = tuple(a for a in ("src_ptr", "part_ptr", "scale_ptr", "stride_sb", "stride_sh", "stride_sn", "D")
                     if a in params) + (("dst_ptr", "stride_db", "stride_dh", "stride_dd", "N") if cast else ())
     facts = compile_sm90("tilefuse.kernels.attention.fp8", kernel, sig, consts, num_warps=8, aligned=aligned,

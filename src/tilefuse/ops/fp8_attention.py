@@ -46,14 +46,19 @@ def _blocks(n: int) -> int:
     return -(-n // QUANT_BLOCK)
 
 
+def _new_v_t(like: torch.Tensor, B: int, H: int, d: int, N: int) -> torch.Tensor:
+    """An empty e4m3 V^T [B, H, d, N] on ``like``'s device in the layout the kernels read
+    (``constants.fp8_v_t_strides``: keys contiguous, rows padded to 16 keys)."""
+    return like.new_empty_strided((B, H, d, N), constants.fp8_v_t_strides(B, H, d, N), dtype=FP8)
+
+
 def _quant_outputs(q, k):
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     new = q.new_empty
     return (new((B, Hq, Nq, d), dtype=FP8), new((B, Hq, _blocks(Nq)), dtype=torch.float32),
             new((B, Hkv, Nk, d), dtype=FP8), new((B, Hkv, _blocks(Nk)), dtype=torch.float32),
-            q.new_empty_strided((B, Hkv, d, Nk), constants.fp8_v_t_strides(B, Hkv, d, Nk), dtype=FP8),
-            new((B, Hkv, d), dtype=torch.float32))
+            _new_v_t(q, B, Hkv, d, Nk), new((B, Hkv, d), dtype=torch.float32))
 
 
 @torch.library.custom_op("tilefuse::quantize_qkv_fp8", mutates_args=())
@@ -62,19 +67,18 @@ def _quantize_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                         torch.Tensor]:
     """(q8, q_scale, k8, k_scale, v8 as [B, Hkv, d, Nk], v_scale)."""
     path = runtime.execution_path(q)
-    rotation = ref_fp8.hadamard_signs(q.shape[-1], q.device) if rotate else None
-    if path == runtime.REFERENCE or q.numel() == 0 or k.numel() == 0:  # the reference rotates in fp32
+    reference = path == runtime.REFERENCE or q.numel() == 0 or k.numel() == 0
+    # The ±1 matrix: fp32 for the reference's products, the inputs' dtype for the kernels' (exact either way).
+    rotation = ref_fp8.hadamard_signs(q.shape[-1], q.device, torch.float32 if reference else q.dtype) \
+        if rotate else None
+    if reference:
         _dispatch.record_reference("quantize_qkv", path)
         q8, qs = ref_fp8.quantize_blocks(q, rotation)
         k8, ks = ref_fp8.quantize_blocks(k, rotation)
         v8, vs = ref_fp8.quantize_channels(v)
         B, Hkv, Nk, d = v8.shape
-        v_t = torch.empty_strided((B, Hkv, d, Nk), constants.fp8_v_t_strides(B, Hkv, d, Nk), dtype=FP8,
-                                  device=v8.device)
-        return q8, qs, k8, ks, v_t.copy_(v8.transpose(2, 3)), vs
+        return q8, qs, k8, ks, _new_v_t(v8, B, Hkv, d, Nk).copy_(v8.transpose(2, 3)), vs
     launch = _launch()
-    if rotate:  # the kernels' ±1 matrix in the inputs' dtype (exact)
-        rotation = ref_fp8.hadamard_signs(q.shape[-1], q.device, q.dtype)
     with _dispatch.on_device(q):
         q8, qs, k8, ks, v8, vs = launch.quantize_qkv(q, k, v, rotation, path)
     return q8, qs, k8, ks, v8.transpose(2, 3), vs
@@ -121,8 +125,7 @@ def _v_t_for_kernels(v_t: torch.Tensor) -> torch.Tensor:
     # Strides only (a compiled graph knows them; the base address the launch's descriptor check sees).
     if v_t.stride(-1) == 1 and all(st % 16 == 0 for st in v_t.stride()[:-1]):
         return v_t
-    return torch.empty_strided(v_t.shape, constants.fp8_v_t_strides(*v_t.shape), dtype=v_t.dtype,
-                               device=v_t.device).copy_(v_t)
+    return _new_v_t(v_t, *v_t.shape).copy_(v_t)
 
 
 def _power_of_two(d: int) -> bool:

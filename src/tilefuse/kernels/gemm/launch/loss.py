@@ -154,7 +154,7 @@ def _columns_in_memory(z: torch.Tensor, buf: torch.Tensor | None) -> int:
     """The columns the row kernels may read and write in each row of a logits chunk: its own where it is dense;
     in a padded buffer (every row of it ``stride(0)`` elements long) its columns rounded up to 16 within the
     pitch, so the loads' bound is a multiple of 16 and an odd vocabulary (GPT-2's 50257) still loads 16 bytes at a
-    time (a bound of 50257 made every load one element)."""
+    time (Triton vectorizes a masked access only where the bound's 16-divisibility is known)."""
     n = z.shape[1]
     return n if buf is None else min(z.stride(0), cdiv(n, 16) * 16)
 
@@ -172,7 +172,7 @@ def _aligned_part(n: int) -> tuple[tuple[int, int], ...]:
 def _logit_rows_product(z: torch.Tensor, w_c: torch.Tensor, out: torch.Tensor | None, padded: bool,
                         alpha: float = 1.0) -> torch.Tensor:
     """alpha * z @ w_c for a logits chunk z [M, n] and its rows of W [n, K] (alpha inside the GEMMs, before
-    their fp32 sums are rounded to z's dtype): into ``out`` when given, else a new tensor. A padded chunk's
+    their fp32 sums are rounded to z's dtype): a new tensor, or into ``out`` (alpha 1 there). A padded chunk's
     inner dimension is cut as its columns were made (:func:`_aligned_part`), the second product accumulated onto
     the first."""
     parts = _aligned_part(z.shape[1]) if padded else ((0, z.shape[1]),)
@@ -180,8 +180,8 @@ def _logit_rows_product(z: torch.Tensor, w_c: torch.Tensor, out: torch.Tensor | 
     if out is None:
         y = torch.addmm(z.new_zeros(()), z[:, c0:c1], w_c[c0:c1], beta=0, alpha=alpha)
     else:
-        y = torch.mm(z[:, c0:c1], w_c[c0:c1], out=out) if alpha == 1.0 else torch.addmm(
-            out, z[:, c0:c1], w_c[c0:c1], beta=0, alpha=alpha, out=out)
+        assert alpha == 1.0, "alpha is applied only to a new tensor"
+        y = torch.mm(z[:, c0:c1], w_c[c0:c1], out=out)
     for c0, c1 in rest:
         y.addmm_(z[:, c0:c1], w_c[c0:c1], alpha=alpha)
     return y
