@@ -30,6 +30,8 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--chunk-mib", nargs="*", type=int, default=[128, 64],
                    help="more training-form variants at these logits-chunk sizes (MiB)")
+    p.add_argument("--profile", nargs="*", default=[], metavar="SHAPE",
+                   help="at these shapes, also print each variant's kernels (torch.profiler, CUDA time of 3 steps)")
     args = p.parse_args()
     import triton.testing
 
@@ -91,6 +93,8 @@ def main() -> int:
                 ms = triton.testing.do_bench(step)
                 row = dict(shape=name, variant=vname, ms=ms, peak_above_inputs_bytes=peak,
                            loss_rel_err_vs_fp64=abs(loss - want) / abs(want))
+                if name in args.profile and "MiB chunk" not in vname:
+                    print(f"kernels of {vname} at {name}, 3 steps:\n{kernel_table(step)}", flush=True)
             except Exception as exc:  # noqa: BLE001 - recorded
                 row = dict(shape=name, variant=vname, error=f"{type(exc).__name__}: {str(exc)[:300]}")
             print(json.dumps(row), flush=True)
@@ -99,6 +103,16 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(dict(rows=rows, device=torch.cuda.get_device_name()), f, indent=1)
     return 0
+
+
+def kernel_table(step, steps: int = 3) -> str:
+    """The CUDA kernels of ``steps`` calls of ``step``, by total GPU time (the launches' own names)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=90)
 
 
 if __name__ == "__main__":
