@@ -25,7 +25,7 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
     buf = _logits_buffer(M, vc, x2d)
     for i, v0 in enumerate(range(0, V, vc)):
         z = _chunk_logits(x2d, w, b, v0, vc, buf)
-        fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (
+        fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (  # loss/lse pointers unread: FINISH off
             z, target, part, part, part, M, z.shape[1], _columns_in_memory(z, buf), V, v0, i, splits, z.stride(0),
             float(softcap or 0.0), ignore_index, float(smoothing)),
             dict(HAS_SOFTCAP=softcap is not None, FINISH=False, **tile))
@@ -90,13 +90,13 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
         m = x_c.shape[0]
         z = _chunk_logits(x_c, w, b, 0, V, buf)
         cols = _columns_in_memory(z, buf)
-        fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]),), (  # the rows' loss and lse
+        fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]),), (  # the rows' loss, lse; part unread
             z, t_c, lse, loss[m0:], lse[m0:], m, V, cols, V, 0, 0, 1, z.stride(0), float(softcap or 0.0),
             ignore_index, float(smoothing)),
             dict(HAS_SOFTCAP=softcap is not None, FINISH=True, **stats))
         fastpath.launch(lce_logit_grad_kernel, (cdiv(m, grad["BLOCK_M"]), cdiv(V, grad["BLOCK_V"])), (
             z, t_c, lse[m0:m0 + m], lse, m, V, cols, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing),
-            1.0, ignore_index),  # each kept row's gradient 1, from its target (UNIT_DLOSS)
+            1.0, ignore_index),  # each kept row's gradient 1, from its target (UNIT_DLOSS: the dloss pointer unread)
             dict(HAS_SOFTCAP=softcap is not None, UNIT_DLOSS=True, **grad))
         if need_dx:
             _logit_rows_product(z, w, dx[m0:m0 + m], buf is not None)
