@@ -40,11 +40,18 @@ def test_out_of_range_targets(device):
     assert all(torch.isfinite(u.grad).all() for u in leaves)
 
 
-def test_training_form_rows_give_nan_for_a_bad_target_and_0_for_an_ignored_one(device, monkeypatch):
-    """The training form's token chunks finish their rows' loss in the row kernel (FINISH): an ignored row adds
-    0 and its gradient none, a target outside [0, V) (unchecked) makes the summed loss NaN, as the rows'
-    merge of the chunked forward does; ignored rows only, the loss and gradients match float64."""
+@pytest.mark.parametrize("slice_tiles", [16, 1], ids=["one slice", "column slices"])
+def test_training_form_rows_give_nan_for_a_bad_target_and_0_for_an_ignored_one(device, monkeypatch, slice_tiles):
+    """The training form's token chunks finish their rows' loss in the row kernel (FINISH), or, with the stats pass
+    cut into column slices, in the partials' merge kernel: an ignored row adds 0 and its gradient none, a target
+    outside [0, V) (unchecked) makes the summed loss NaN, as the rows' merge of the chunked forward does; ignored
+    rows only, the loss and gradients match float64."""
+    from tilefuse.kernels.gemm.launch import loss as loss_launch
     monkeypatch.setattr(switches.gemm, "LCE_TRAINING_FORM", True)
+    monkeypatch.setattr(loss_launch, "LCE_STATS_SLICE_TILES", slice_tiles)
+    if slice_tiles == 1:  # 64-column tiles: slices of a CPU-sized vocabulary too (the last one 2 columns wide)
+        monkeypatch.setattr(loss_launch, "LCE_STATS_TILE", dict(loss_launch.LCE_STATS_TILE, BLOCK_V=64))
+    assert (loss_launch.lce_stats_slices(M, V, loss_launch.LCE_STATS_TILE)[1] > 1) == (slice_tiles == 1)
     x, w, t = _inputs(device, seed=9)
     t[3] = -100
     from tilefuse.kernels import launches

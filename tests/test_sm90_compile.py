@@ -498,9 +498,11 @@ def test_cross_entropy_chunk_kernels_compile_for_sm90(kernel, form):
     facts = compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1)
     assert facts["spill_store_bytes"] == 0, facts
     # At an odd vocabulary (VC 50257) in a padded chunk the loads' bound VC_MEM is a multiple of 16: the tiles
-    # load 16 bytes at a time (a bound of unknown divisibility, VC itself, would give one-element loads).
+    # load 16 bytes at a time (a bound of unknown divisibility, VC itself, would give one-element loads); so does a
+    # column slice's start, the launches passing its width rounded to BLOCK_V.
     facts = compile_sm90("tilefuse.kernels.gemm.cross_entropy", kernel, sig, dict(HAS_SOFTCAP=True, **tile), 4, 1,
-                         aligned=("z_ptr", "stride_zm", "VC_MEM"))
+                         aligned=("z_ptr", "stride_zm", "VC_MEM", *(("cols",) if kernel == "lce_chunk_stats_kernel"
+                                                                      else ())))
     assert facts["scalar_16bit_loads"] == 0 and facts["spill_store_bytes"] == 0, facts
     # One token, one chunk, the second chunk (split 1): integers a launch passes as 1 become constexprs
     # unless the kernel pins them, and the kernel must still compile (split == 1 once did not).

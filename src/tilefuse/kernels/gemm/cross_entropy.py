@@ -69,7 +69,7 @@ def lce_chunk_stats_kernel(
     z_ptr,                       # [M, VC] logits of vocabulary chunk ``split`` (bias added), from a GEMM
     target_ptr, part_ptr,        # part: fp32 [4, SPLITS, M], the chunks' partials
     loss_ptr, lse_ptr,           # FINISH: fp32 [M] each, the rows' loss and lse
-    M, VC, VC_MEM, V, v0, split, splits, stride_zm, softcap, ignore_index, smoothing,
+    M, VC, VC_MEM, V, v0, split, splits, cols, stride_zm, softcap, ignore_index, smoothing,
     HAS_SOFTCAP: tl.constexpr, FINISH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The forward's partials of one materialised vocabulary chunk (the chunked forward: cuBLAS makes the
@@ -78,12 +78,15 @@ def lce_chunk_stats_kernel(
     the columns past VC are read and never used. FINISH (the chunk is the whole vocabulary, v0 = 0): the rows'
     loss and lse instead of partials, as the launch layer's merge of one split makes them (0 where the target is
     ignore_index, NaN where it is outside [0, V)), so a token chunk of the training form takes one launch here
-    instead of a dozen small torch ops."""
+    instead of a dozen small torch ops. The second grid axis cuts the chunk's columns into slices of ``cols`` (a
+    multiple of BLOCK_V), slice i storing partial ``split + i``: a chunk of few rows and many columns (the training
+    form's 1024 tokens by 128256) keeps enough programs in flight to cover HBM's latency."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     offs_m64 = offs_m.to(tl.int64)
     target, m_i, l_i, z_t, z_sum = _rows_start(target_ptr, offs_m64, mask_m, BLOCK_M)
-    for j0 in range(0, VC, BLOCK_V):
+    lo = tl.program_id(1) * cols
+    for j0 in range(lo, tl.minimum(lo + cols, VC), BLOCK_V):
         offs_j = j0 + tl.arange(0, BLOCK_V)
         mask_v = offs_j < VC
         z = tl.load(z_ptr + offs_m64[:, None] * stride_zm + offs_j[None, :],
@@ -100,7 +103,38 @@ def lce_chunk_stats_kernel(
         tl.store(loss_ptr + offs_m64, loss, mask=mask_m)
         tl.store(lse_ptr + offs_m64, lse, mask=mask_m)
     else:
-        _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum)
+        _store_partials(part_ptr, split + tl.program_id(1), splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum)
+
+
+@triton.jit(do_not_specialize=["splits"])
+def lce_rows_finish_kernel(part_ptr, target_ptr, loss_ptr, lse_ptr, M, V, splits, ignore_index, smoothing,
+                           BLOCK_M: tl.constexpr):
+    """The rows' loss and lse (fp32 [M] each) from the partials fp32 [4, splits, M] (max, sum of exp, target logit,
+    logit sum) lce_chunk_stats_kernel stored: the same merge as the launch layer's torch one (0 where the target is
+    ignore_index, NaN where it is outside [0, V) or the max is infinite)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_m64 = offs_m.to(tl.int64)
+    plane = splits.to(tl.int64) * M
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    for s in range(0, splits):
+        m = tl.maximum(m, tl.load(part_ptr + s * M + offs_m64, mask=mask_m, other=0.0))
+    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    z_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    z_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for s in range(0, splits):
+        base = part_ptr + s * M + offs_m64
+        m_s = tl.load(base, mask=mask_m, other=0.0)
+        l += tl.load(base + plane, mask=mask_m, other=0.0) * tl.exp(m_s - m)
+        z_t += tl.load(base + 2 * plane, mask=mask_m, other=0.0)
+        z_sum += tl.load(base + 3 * plane, mask=mask_m, other=0.0)
+    lse = m + tl.log(l)
+    loss = (1.0 - smoothing) * (lse - z_t) + smoothing * (lse - z_sum / V)
+    target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
+    loss = tl.where((target >= 0) & (target < V), loss, float("nan"))
+    loss = tl.where(target == ignore_index, 0.0, loss)
+    tl.store(loss_ptr + offs_m64, loss, mask=mask_m)
+    tl.store(lse_ptr + offs_m64, lse, mask=mask_m)
 
 
 @triton.jit

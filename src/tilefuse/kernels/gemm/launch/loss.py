@@ -26,7 +26,8 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
     for i, v0 in enumerate(range(0, V, vc)):
         z = _chunk_logits(x2d, w, b, v0, vc, buf)
         fastpath.launch(lce_chunk_stats_kernel, (cdiv(M, tile["BLOCK_M"]),), (  # loss/lse pointers unread: FINISH off
-            z, target, part, part, part, M, z.shape[1], _columns_in_memory(z, buf), V, v0, i, splits, z.stride(0),
+            z, target, part, part, part, M, z.shape[1], _columns_in_memory(z, buf), V, v0, i, splits,
+            cdiv(z.shape[1], tile["BLOCK_V"]) * tile["BLOCK_V"], z.stride(0),  # one slice, 16-divisible as launched
             float(softcap or 0.0), ignore_index, float(smoothing)),
             dict(HAS_SOFTCAP=softcap is not None, FINISH=False, **tile))
     launches.record("linear_cross_entropy", path, f"{splits} vocabulary chunks of {vc}: logits by a GEMM, "
@@ -72,7 +73,7 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
     gradient kernel), then dx's rows and dW (accumulated over the chunks) by two GEMMs: three GEMMs where the
     forward and the backward apart take four (the backward recomputes the logits). bf16 and fp32: fp16's range
     cannot hold dW summed over the tokens before the loss's scale is applied."""
-    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel, lce_logit_grad_kernel
+    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel, lce_logit_grad_kernel, lce_rows_finish_kernel
 
     M, K = x2d.shape
     V = w.shape[0]
@@ -85,17 +86,24 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
     db = torch.zeros((V,) if need_db else (0,), dtype=torch.float32, device=dev)
     stats, grad = LCE_STATS_TILE, LCE_GRAD_TILE
     buf = _logits_buffer(rows, V, x2d)
+    cols, slices = lce_stats_slices(rows, V, stats)
+    part = torch.empty((4 * slices * rows,) if slices > 1 else (0,), dtype=torch.float32, device=dev)
     for m0 in range(0, M, rows):
         x_c, t_c = x2d[m0:m0 + rows], target[m0:m0 + rows]
         m = x_c.shape[0]
         z = _chunk_logits(x_c, w, b, 0, V, buf)
         cols = _columns_in_memory(z, buf)
-        fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]),), (  # the rows' loss, lse; part unread
-            z, t_c, lse, loss[m0:], lse[m0:], m, V, cols, V, 0, 0, 1, z.stride(0), float(softcap or 0.0),
-            ignore_index, float(smoothing)),
-            dict(HAS_SOFTCAP=softcap is not None, FINISH=True, **stats))
+        in_memory = _columns_in_memory(z, buf)
+        fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]), slices), (  # one slice: FINISH, part unread
+            z, t_c, part if slices > 1 else lse, loss[m0:], lse[m0:], m, V, in_memory, V, 0, 0, slices, cols,
+            z.stride(0), float(softcap or 0.0), ignore_index, float(smoothing)),
+            dict(HAS_SOFTCAP=softcap is not None, FINISH=slices == 1, **stats))
+        if slices > 1:
+            fastpath.launch(lce_rows_finish_kernel, (cdiv(m, LCE_FINISH_ROWS),), (
+                part, t_c, loss[m0:], lse[m0:], m, V, slices, ignore_index, float(smoothing)),
+                dict(BLOCK_M=LCE_FINISH_ROWS))
         fastpath.launch(lce_logit_grad_kernel, (cdiv(m, grad["BLOCK_M"]), cdiv(V, grad["BLOCK_V"])), (
-            z, t_c, lse[m0:m0 + m], lse, m, V, cols, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing),
+            z, t_c, lse[m0:m0 + m], lse, m, V, in_memory, V, 0, z.stride(0), float(softcap or 0.0), float(smoothing),
             1.0, ignore_index),  # each kept row's gradient 1, from its target (UNIT_DLOSS: the dloss pointer unread)
             dict(HAS_SOFTCAP=softcap is not None, UNIT_DLOSS=True, **grad))
         if need_dx:
@@ -113,6 +121,21 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
 LCE_CHUNK_BYTES = 128 * 2**20  # the one [T, VC] logits chunk of the backward (and of the chunked forward)
 LCE_GRAD_TILE = dict(BLOCK_M=32, BLOCK_V=128)
 LCE_FP16_SCALE = 2.0 ** 12  # fp16 dz chunk: |dz'| <= 4096, and softmax values down to 1.5e-8 stay normal
+LCE_STATS_PROGRAMS = 1024  # the training form's stats pass: row blocks x column slices at least this many programs
+LCE_FINISH_ROWS = 128      # rows per program of the partials' merge
+LCE_STATS_SLICE_TILES = 16  # the fewest BLOCK_V tiles a column slice walks
+
+
+def lce_stats_slices(rows: int, V: int, tile: dict) -> tuple[int, int]:
+    """(columns per slice, slices) for the stats pass over a [rows, V] chunk: enough slices that row blocks times
+    slices reach LCE_STATS_PROGRAMS (a 1024-token chunk has 128 row blocks of 8), each slice a multiple of BLOCK_V
+    and at least LCE_STATS_SLICE_TILES tiles long; one slice where the rows alone are enough."""
+    blocks = cdiv(rows, tile["BLOCK_M"])
+    want = max(1, min(cdiv(LCE_STATS_PROGRAMS, blocks), cdiv(V, LCE_STATS_SLICE_TILES * tile["BLOCK_V"])))
+    cols = cdiv(cdiv(V, want), tile["BLOCK_V"]) * tile["BLOCK_V"]
+    return cols, cdiv(V, cols)
+
+
 LCE_STATS_TILE = dict(BLOCK_M=8, BLOCK_V=256)  # the chunked forward's row pass: 80 registers on sm_90a, no spills
 
 
