@@ -51,14 +51,17 @@ def test_training_form_rows_give_nan_for_a_bad_target_and_0_for_an_ignored_one(d
     monkeypatch.setattr(loss_launch, "LCE_STATS_SLICE_TILES", slice_tiles)
     if slice_tiles == 1:  # 64-column tiles: slices of a CPU-sized vocabulary too (the last one 2 columns wide)
         monkeypatch.setattr(loss_launch, "LCE_STATS_TILE", dict(loss_launch.LCE_STATS_TILE, BLOCK_V=64))
-    assert (loss_launch.lce_stats_slices(M, V, loss_launch.LCE_STATS_TILE)[1] > 1) == (slice_tiles == 1)
+    rows = loss_launch.lce_token_chunk(M, V, DTYPE.itemsize)
+    cols, slices = loss_launch.lce_stats_slices(rows, V, loss_launch.LCE_STATS_TILE)
+    assert (slices > 1) == (slice_tiles == 1)
     x, w, t = _inputs(device, seed=9)
     t[3] = -100
     from tilefuse.kernels import launches
     leaves = [u.clone().requires_grad_() for u in (x, w)]
     with launches.recording() as recs:
         loss = tilefuse.linear_cross_entropy(*leaves, t, reduction="sum", label_smoothing=0.1)
-    assert [r.kernel.startswith("training form") for r in recs] == [True], recs
+    assert [r.kernel.startswith("training form") and f"folded in {slices} column slices of {cols}," in r.kernel
+            for r in recs] == [True], recs
     loss.backward()
     ref = [u.double().requires_grad_() for u in (x, w)]
     want = F.cross_entropy(F.linear(*ref), t, reduction="sum", label_smoothing=0.1)

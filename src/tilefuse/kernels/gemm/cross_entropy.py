@@ -64,6 +64,17 @@ def _store_partials(part_ptr, split, splits, M, offs_m64, mask_m, m_i, l_i, z_t,
     tl.store(base + 3 * plane, z_sum, mask=mask_m)
 
 
+@triton.jit
+def _store_rows(loss_ptr, lse_ptr, offs_m64, mask_m, lse, z_t, z_sum, target, V, ignore_index, smoothing):
+    """The rows' lse and (label-smoothed) loss stored: 0 where the target is ignore_index, NaN where it is outside
+    [0, V)."""
+    loss = (1.0 - smoothing) * (lse - z_t) + smoothing * (lse - z_sum / V)
+    loss = tl.where((target >= 0) & (target < V), loss, float("nan"))
+    loss = tl.where(target == ignore_index, 0.0, loss)
+    tl.store(loss_ptr + offs_m64, loss, mask=mask_m)
+    tl.store(lse_ptr + offs_m64, lse, mask=mask_m)
+
+
 @triton.jit(do_not_specialize=["v0", "split", "splits"])  # split == 1 would become a constexpr (no .to)
 def lce_chunk_stats_kernel(
     z_ptr,                       # [M, VC] logits of vocabulary chunk ``split`` (bias added), from a GEMM
@@ -95,13 +106,9 @@ def lce_chunk_stats_kernel(
             z, _ = _soft_capped(z, softcap)
         z = tl.where(mask_v[None, :], z, float("-inf"))
         m_i, l_i, z_t, z_sum = _fold_tile(z, v0 + offs_j, mask_v, target, m_i, l_i, z_t, z_sum)
-    if FINISH:
-        lse = m_i + tl.log(l_i * tl.exp(m_i - m_i))  # exp(0) = 1; NaN where the max is infinite, as the merge's
-        loss = (1.0 - smoothing) * (lse - z_t) + smoothing * (lse - z_sum / V)
-        loss = tl.where((target >= 0) & (target < V), loss, float("nan"))
-        loss = tl.where(target == ignore_index, 0.0, loss)
-        tl.store(loss_ptr + offs_m64, loss, mask=mask_m)
-        tl.store(lse_ptr + offs_m64, lse, mask=mask_m)
+    if FINISH:  # exp(0) = 1; NaN where the max is infinite, as the merge's
+        _store_rows(loss_ptr, lse_ptr, offs_m64, mask_m, m_i + tl.log(l_i * tl.exp(m_i - m_i)), z_t, z_sum, target,
+                    V, ignore_index, smoothing)
     else:
         _store_partials(part_ptr, split + tl.program_id(1), splits, M, offs_m64, mask_m, m_i, l_i, z_t, z_sum)
 
@@ -110,8 +117,8 @@ def lce_chunk_stats_kernel(
 def lce_rows_finish_kernel(part_ptr, target_ptr, loss_ptr, lse_ptr, M, V, splits, ignore_index, smoothing,
                            BLOCK_M: tl.constexpr):
     """The rows' loss and lse (fp32 [M] each) from the partials fp32 [4, splits, M] (max, sum of exp, target logit,
-    logit sum) lce_chunk_stats_kernel stored: the same merge as the launch layer's torch one (0 where the target is
-    ignore_index, NaN where it is outside [0, V) or the max is infinite)."""
+    logit sum) lce_chunk_stats_kernel stored, for the chunked forward's vocabulary chunks and the training form's
+    column slices alike: 0 where the target is ignore_index, NaN where it is outside [0, V) or the max is infinite."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     offs_m64 = offs_m.to(tl.int64)
@@ -128,13 +135,8 @@ def lce_rows_finish_kernel(part_ptr, target_ptr, loss_ptr, lse_ptr, M, V, splits
         l += tl.load(base + plane, mask=mask_m, other=0.0) * tl.exp(m_s - m)
         z_t += tl.load(base + 2 * plane, mask=mask_m, other=0.0)
         z_sum += tl.load(base + 3 * plane, mask=mask_m, other=0.0)
-    lse = m + tl.log(l)
-    loss = (1.0 - smoothing) * (lse - z_t) + smoothing * (lse - z_sum / V)
     target = tl.load(target_ptr + offs_m64, mask=mask_m, other=-1).to(tl.int64)
-    loss = tl.where((target >= 0) & (target < V), loss, float("nan"))
-    loss = tl.where(target == ignore_index, 0.0, loss)
-    tl.store(loss_ptr + offs_m64, loss, mask=mask_m)
-    tl.store(lse_ptr + offs_m64, lse, mask=mask_m)
+    _store_rows(loss_ptr, lse_ptr, offs_m64, mask_m, m + tl.log(l), z_t, z_sum, target, V, ignore_index, smoothing)
 
 
 @triton.jit

@@ -13,8 +13,8 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
     """(loss per row fp32 [M], lse fp32 [M]) of ``cross_entropy(x2d @ w^T + b, target)`` for x2d [M, K] and
     w [V, K] with unit inner strides, target int [M]: 0 on rows whose target is ``ignore_index``, NaN where
     the target is outside [0, V). The vocabulary is cut into chunks (lce_vocab_chunk); their partials (max, sum
-    of exp, target logit, logit sum) merge here."""
-    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel
+    of exp, target logit, logit sum) merge in one kernel (lce_rows_finish_kernel)."""
+    from tilefuse.kernels.gemm.cross_entropy import lce_chunk_stats_kernel, lce_rows_finish_kernel
 
     M = x2d.shape[0]
     V = w.shape[0]
@@ -32,19 +32,10 @@ def linear_cross_entropy(x2d, w, b, target, ignore_index: int, smoothing: float,
             dict(HAS_SOFTCAP=softcap is not None, FINISH=False, **tile))
     launches.record("linear_cross_entropy", path, f"{splits} vocabulary chunks of {vc}: logits by a GEMM, "
                     "folded by a row pass", lambda: f"{tile['BLOCK_M']}x{tile['BLOCK_V']}")
-    return _rows_from_partials(part, target, V, ignore_index, smoothing)
-
-
-def _rows_from_partials(part, target, V: int, ignore_index: int, smoothing: float):
-    """(loss per row, lse per row) from the chunks' partials fp32 [4, splits, M] (max, sum of exp, target logit,
-    logit sum): 0 on rows whose target is ``ignore_index``, NaN where it is outside [0, V)."""
-    m = part[0].amax(0)
-    lse = m + torch.log((part[1] * torch.exp(part[0] - m)).sum(0))
-    z_t, z_sum = part[2].sum(0), part[3].sum(0)
-    loss = (1.0 - smoothing) * (lse - z_t) + smoothing * (lse - z_sum / V)
-    ignored = target == ignore_index
-    valid = (target >= 0) & (target < V)
-    loss = torch.where(ignored, 0.0, torch.where(valid, loss, float("nan")))
+    loss = torch.empty((M,), dtype=torch.float32, device=x2d.device)
+    lse = torch.empty((M,), dtype=torch.float32, device=x2d.device)
+    fastpath.launch(lce_rows_finish_kernel, (cdiv(M, LCE_FINISH_ROWS),), (
+        part, target, loss, lse, M, V, splits, ignore_index, float(smoothing)), dict(BLOCK_M=LCE_FINISH_ROWS))
     return loss, lse
 
 
@@ -92,7 +83,6 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
         x_c, t_c = x2d[m0:m0 + rows], target[m0:m0 + rows]
         m = x_c.shape[0]
         z = _chunk_logits(x_c, w, b, 0, V, buf)
-        cols = _columns_in_memory(z, buf)
         in_memory = _columns_in_memory(z, buf)
         fastpath.launch(lce_chunk_stats_kernel, (cdiv(m, stats["BLOCK_M"]), slices), (  # one slice: FINISH, part unread
             z, t_c, part if slices > 1 else lse, loss[m0:], lse[m0:], m, V, in_memory, V, 0, 0, slices, cols,
@@ -113,7 +103,7 @@ def linear_cross_entropy_with_grads(x2d, w, b, target, ignore_index: int, smooth
         if need_db:
             db += z.sum(0, dtype=torch.float32)
     launches.record("linear_cross_entropy", path, f"training form: {cdiv(M, rows)} token chunks of {rows}: logits by "
-                    "a GEMM, folded, dz in place, dx and dW GEMMs", lambda: f"{stats['BLOCK_M']}x{stats['BLOCK_V']}, "
+                    f"a GEMM, folded in {slices} column slices of {cols}, dz in place, dx and dW GEMMs", lambda: f"{stats['BLOCK_M']}x{stats['BLOCK_V']}, "
                     f"{grad['BLOCK_M']}x{grad['BLOCK_V']}")
     return loss, lse, dx, dw, db
 
